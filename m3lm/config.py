@@ -1,0 +1,345 @@
+"""Model configuration: one frozen `ModelArgs` built from any config.json spelling.
+
+Three spellings reach us: the release's VL config (`text_config` with `sparse_attention_config`,
+`moe_layer_freq`, `rope_theta`), the transformers re-save (`index_*`, `layer_types`,
+`mlp_layer_types`, `rope_parameters`) and a bare text config. `ModelArgs.from_dict` reads them
+all; every unsupported or inconsistent value raises `ConfigError` naming the key and the value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from m3lm.errors import ConfigError
+
+TOP_MODEL_TYPES = ("minimax_m3_vl", "minimax_m3", "minimax_m3_vl_text")
+TEXT_MODEL_TYPES = ("minimax_m3", "minimax_m3_vl_text")
+QUANT_METHODS = ("mxfp8",)
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    swiglu_alpha: float
+    swiglu_limit: float
+    dense_intermediate_size: int
+    intermediate_size: int
+    shared_intermediate_size: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    routed_scaling_factor: float
+    moe_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP
+    sparse_layers: tuple[bool, ...]  # per layer: MSA (True) or full attention
+    index_n_heads: int
+    index_head_dim: int
+    index_block_size: int
+    index_topk_blocks: int
+    index_local_blocks: int
+    index_init_blocks: int
+    quant_method: str | None = None
+
+    @property
+    def kv_groups(self) -> int:
+        """Query heads per KV head (16 in the release)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def dense_window(self) -> int:
+        """Sequences up to this many tokens attend densely even on MSA layers (exact)."""
+        return self.index_topk_blocks * self.index_block_size
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
+        return parse_config(config)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelArgs:
+        path = Path(path)
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read {path}: {e}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"{path} must hold a JSON object, found {type(config).__name__}")
+        return parse_config(config)
+
+
+class _Reader:
+    """Typed access to one config dict, with errors that name the key and the value."""
+
+    def __init__(self, d: dict[str, Any], prefix: str):
+        self.d, self.prefix = d, prefix
+
+    def name(self, key: str) -> str:
+        return f"{self.prefix}{key}"
+
+    def raw(self, key: str, default: Any = _MISSING) -> Any:
+        if key in self.d and self.d[key] is not None:
+            return self.d[key]
+        if default is _MISSING:
+            raise ConfigError(f"config.json: required key '{self.name(key)}' is missing")
+        return default
+
+    def int(self, key: str, default: Any = _MISSING, minimum: int = 1) -> int:
+        v = self.raw(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise ConfigError(f"config.json: '{self.name(key)}' = {v!r} must be an integer >= {minimum}")
+        return v
+
+    def float(self, key: str, default: Any = _MISSING, positive: bool = True) -> float:
+        v = self.raw(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"config.json: '{self.name(key)}' = {v!r} must be a finite number")
+        if positive and v <= 0:
+            raise ConfigError(f"config.json: '{self.name(key)}' = {v!r} must be > 0")
+        return float(v)
+
+    def flag(self, key: str, default: Any = _MISSING) -> bool:
+        v = self.raw(key, default)
+        if v not in (True, False, 0, 1):
+            raise ConfigError(f"config.json: '{self.name(key)}' = {v!r} must be true or false")
+        return bool(v)
+
+    def require(self, key: str, allowed: tuple, default: Any = _MISSING) -> Any:
+        v = self.raw(key, default)
+        if v not in allowed:
+            raise ConfigError(
+                f"config.json: '{self.name(key)}' = {v!r} is not supported (expected one of {list(allowed)})"
+            )
+        return v
+
+    def layer_list(self, key: str, n: int, mapping: dict[Any, bool]) -> tuple[bool, ...]:
+        v = self.raw(key)
+        if not isinstance(v, list) or len(v) != n:
+            got = len(v) if isinstance(v, list) else type(v).__name__
+            raise ConfigError(
+                f"config.json: '{self.name(key)}' must be a list of num_hidden_layers = {n} entries, got {got}"
+            )
+        bad = [x for x in v if isinstance(x, (list, dict)) or x not in mapping]
+        if bad:
+            raise ConfigError(
+                f"config.json: '{self.name(key)}' has unsupported entry {bad[0]!r} "
+                f"(expected one of {list(mapping)})"
+            )
+        return tuple(mapping[x] for x in v)
+
+
+def _text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    top_type = config.get("model_type")
+    if top_type is not None and top_type not in TOP_MODEL_TYPES:
+        raise ConfigError(
+            f"config.json: 'model_type' = {top_type!r} is not supported (expected one of {list(TOP_MODEL_TYPES)})"
+        )
+    if "text_config" not in config:
+        return config, ""
+    text = config["text_config"]
+    if not isinstance(text, dict):
+        raise ConfigError(f"config.json: 'text_config' must be an object, found {type(text).__name__}")
+    text_type = text.get("model_type")
+    if text_type is not None and text_type not in TEXT_MODEL_TYPES:
+        raise ConfigError(
+            f"config.json: 'text_config.model_type' = {text_type!r} is not supported "
+            f"(expected one of {list(TEXT_MODEL_TYPES)})"
+        )
+    return text, "text_config."
+
+
+def _quant_method(config: dict[str, Any], text: dict[str, Any]) -> str | None:
+    qc = config.get("quantization_config") or text.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else qc
+    if method not in QUANT_METHODS:
+        raise ConfigError(
+            f"config.json: 'quantization_config.quant_method' = {method!r} is not supported "
+            f"(expected one of {list(QUANT_METHODS)})"
+        )
+    block = qc.get("weight_block_size", [1, 32])
+    if list(block) != [1, 32]:
+        raise ConfigError(
+            f"config.json: 'quantization_config.weight_block_size' = {block!r} is not supported (expected [1, 32])"
+        )
+    return method
+
+
+def _rope(r: _Reader, head_dim: int) -> tuple[float, int]:
+    """(theta, rotary_dim) from `rope_parameters` or the flat release keys."""
+    params = r.raw("rope_parameters", None)
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConfigError(f"config.json: '{r.name('rope_parameters')}' must be an object")
+        p = _Reader(params, r.name("rope_parameters."))
+        p.require("rope_type", ("default",), "default")
+        theta = p.float("rope_theta", r.d.get("rope_theta", _MISSING))
+        factor = p.float("partial_rotary_factor", r.d.get("partial_rotary_factor", 1.0))
+    else:
+        if r.raw("rope_scaling", None) is not None:
+            raise ConfigError(
+                f"config.json: '{r.name('rope_scaling')}' = {r.raw('rope_scaling')!r} is not supported"
+            )
+        theta = r.float("rope_theta")
+        factor = r.float("partial_rotary_factor", 1.0)
+    from_factor = head_dim * factor
+    rotary_dim = r.int("rotary_dim", int(from_factor))
+    if "rotary_dim" in r.d and ("partial_rotary_factor" in r.d or params) and rotary_dim != from_factor:
+        raise ConfigError(
+            f"config.json: '{r.name('rotary_dim')}' = {rotary_dim} disagrees with head_dim * "
+            f"partial_rotary_factor = {head_dim} * {factor}"
+        )
+    if rotary_dim > head_dim or rotary_dim % 2:
+        raise ConfigError(
+            f"config.json: '{r.name('rotary_dim')}' = {rotary_dim} must be even and <= head_dim = {head_dim}"
+        )
+    return theta, rotary_dim
+
+
+def _layer_kinds(r: _Reader, n: int) -> tuple[tuple[bool, ...], tuple[bool, ...], dict[str, Any]]:
+    """(moe_layers, sparse_layers, sparse settings) from either spelling."""
+    if "mlp_layer_types" in r.d:
+        moe = r.layer_list("mlp_layer_types", n, {"dense": False, "sparse": True})
+    else:
+        moe = r.layer_list("moe_layer_freq", n, {0: False, 1: True})
+    sparse_cfg = r.raw("sparse_attention_config", None)
+    if sparse_cfg is None:
+        if "layer_types" in r.d:
+            sparse = r.layer_list("layer_types", n, {"full_attention": False, "minimax_m3_sparse": True})
+        else:
+            sparse = (False,) * n
+        s = {
+            "heads": r.int("index_n_heads", 4),
+            "dim": r.int("index_head_dim", 128),
+            "block": r.int("index_block_size", 128),
+            "topk": r.int("index_topk_blocks", 16),
+            "local": r.int("index_local_blocks", 1, minimum=0),
+            "init": r.int("index_init_blocks", 0, minimum=0),
+        }
+        return moe, sparse, s
+    if not isinstance(sparse_cfg, dict):
+        raise ConfigError(f"config.json: '{r.name('sparse_attention_config')}' must be an object")
+    sr = _Reader(sparse_cfg, r.name("sparse_attention_config."))
+    if sr.flag("use_sparse_attention", True):
+        sparse = sr.layer_list("sparse_attention_freq", n, {0: False, 1: True})
+    else:
+        sparse = (False,) * n
+    sr.require("sparse_score_type", ("max",), "max")
+    if "sparse_disable_index_value" in sparse_cfg:
+        disable = sr.layer_list("sparse_disable_index_value", n, {0: False, 1: True})
+        for i, (is_sparse, off) in enumerate(zip(sparse, disable, strict=True)):
+            if is_sparse and not off:
+                raise ConfigError(
+                    f"config.json: '{sr.name('sparse_disable_index_value')}[{i}]' = 0 on sparse layer {i} "
+                    "needs an index-value projection, which m3lm does not support"
+                )
+    s = {
+        "heads": sr.int("sparse_num_index_heads"),
+        "dim": sr.int("sparse_index_dim"),
+        "block": sr.int("sparse_block_size"),
+        "topk": sr.int("sparse_topk_blocks"),
+        "local": sr.int("sparse_local_block", 1, minimum=0),
+        "init": sr.int("sparse_init_block", 0, minimum=0),
+    }
+    return moe, sparse, s
+
+
+def parse_config(config: dict[str, Any]) -> ModelArgs:
+    """Build `ModelArgs` from a config.json dict in any of the three spellings."""
+    text, prefix = _text_config(config)
+    r = _Reader(text, prefix)
+    n_layers = r.int("num_hidden_layers")
+    hidden = r.int("hidden_size")
+    heads = r.int("num_attention_heads")
+    kv_heads = r.int("num_key_value_heads")
+    if heads % kv_heads:
+        raise ConfigError(
+            f"config.json: '{r.name('num_attention_heads')}' = {heads} is not divisible by "
+            f"'{r.name('num_key_value_heads')}' = {kv_heads}"
+        )
+    head_dim = r.int("head_dim", hidden // heads)
+    theta, rotary_dim = _rope(r, head_dim)
+    r.require("hidden_act", ("swigluoai", "silu"))  # transformers re-saves swigluoai as "silu"
+    r.require("use_gemma_norm", (True,), True)
+    r.require("use_qk_norm", (True,), True)
+    r.require("qk_norm_type", ("per_head",), "per_head")
+    r.require("attention_output_gate", (False,), False)
+    r.require("tie_word_embeddings", (False,), False)
+    moe, sparse, s = _layer_kinds(r, n_layers)
+
+    if any(moe):
+        r.require("scoring_func", ("sigmoid",), "sigmoid")
+        r.require("use_routing_bias", (True,), True)
+        r.require("norm_topk_prob", (True,), True)
+        r.require("n_shared_experts", (1,), 1)
+        n_experts = r.int("num_local_experts")
+        top_k = r.int("num_experts_per_tok")
+        if top_k > n_experts:
+            raise ConfigError(
+                f"config.json: '{r.name('num_experts_per_tok')}' = {top_k} exceeds "
+                f"'{r.name('num_local_experts')}' = {n_experts}"
+            )
+        inter = r.int("intermediate_size")
+        shared_inter = r.int("shared_intermediate_size")
+    else:
+        n_experts = top_k = inter = shared_inter = 0
+    dense_inter = r.int("dense_intermediate_size") if not all(moe) else 0
+
+    if any(sparse):
+        if s["heads"] != kv_heads:
+            raise ConfigError(
+                f"config.json: index heads = {s['heads']} must equal num_key_value_heads = {kv_heads} "
+                "(one block selection per KV group)"
+            )
+        if rotary_dim > s["dim"]:
+            raise ConfigError(
+                f"config.json: rotary_dim = {rotary_dim} exceeds the index head dim = {s['dim']}"
+            )
+        if s["local"] + s["init"] > s["topk"]:
+            raise ConfigError(
+                f"config.json: local blocks ({s['local']}) + init blocks ({s['init']}) exceed "
+                f"the top-k blocks ({s['topk']})"
+            )
+
+    return ModelArgs(
+        vocab_size=r.int("vocab_size"),
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        rope_theta=theta,
+        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+        max_position_embeddings=r.int("max_position_embeddings", 1 << 20),
+        swiglu_alpha=r.float("swiglu_alpha", 1.702),
+        swiglu_limit=r.float("swiglu_limit", 7.0),
+        dense_intermediate_size=dense_inter,
+        intermediate_size=inter,
+        shared_intermediate_size=shared_inter,
+        num_local_experts=n_experts,
+        num_experts_per_tok=top_k,
+        routed_scaling_factor=r.float("routed_scaling_factor", 2.0) if any(moe) else 1.0,
+        moe_layers=moe,
+        sparse_layers=sparse,
+        index_n_heads=s["heads"],
+        index_head_dim=s["dim"],
+        index_block_size=s["block"],
+        index_topk_blocks=s["topk"],
+        index_local_blocks=s["local"],
+        index_init_blocks=s["init"],
+        quant_method=_quant_method(config, text),
+    )

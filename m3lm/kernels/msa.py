@@ -1,0 +1,126 @@
+"""MSA: lightning-indexer block selection and block-sparse attention (plain PyTorch references).
+
+Shapes: T queries, Tk keys of one sequence (positions 0..Tk-1), H query heads, K KV heads
+(= index heads), G = H / K, D head dim, Di index head dim, S block size, N = ceil(Tk / S) blocks,
+k = top-k blocks. Work is split into query chunks so nothing of size [T, Tk] is ever held whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Elements of fp32 scores one query chunk may hold; bounds memory for long sequences.
+SCORE_BUDGET = 1 << 24
+
+
+def _query_chunk(rows_per_query: int, tk: int) -> int:
+    return max(1, SCORE_BUDGET // max(1, rows_per_query * tk))
+
+
+def index_block_scores_ref(
+    iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Block scores [K, T, N] fp32: max over visible keys j <= t of block b of iq[t, h] . ik[j].
+
+    iq [T, K, Di], ik [Tk, Di], q_pos [T]. Blocks with no visible key score -inf.
+    """
+    tk = ik.shape[0]
+    n_blocks = -(-tk // block_size)
+    s = torch.einsum("thd,jd->htj", iq.float(), ik.float())  # [K, T, Tk]
+    future = torch.arange(tk, device=ik.device)[None, :] > q_pos[:, None]  # [T, Tk]
+    s = s.masked_fill(future[None], float("-inf"))
+    s = torch.nn.functional.pad(s, (0, n_blocks * block_size - tk), value=float("-inf"))
+    return s.unflatten(-1, (n_blocks, block_size)).amax(-1)  # [K, T, N]
+
+
+def select_blocks_ref(
+    block_scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk: int, local: int, init: int
+) -> torch.Tensor:
+    """Selected block ids [K, T, k], ascending, -1 in unused slots.
+
+    Visible blocks are 0..t // S. When at most `topk` are visible they are all selected (dense
+    causal attention). Otherwise the `local` most recent and the first `init` blocks are forced
+    and the other slots go to the best-scoring blocks, ties to the lower block id.
+    """
+    n_blocks = block_scores.shape[-1]
+    ids = torch.arange(n_blocks, device=block_scores.device)
+    qb = (q_pos // block_size)[:, None]  # [T, 1]
+    visible = ids[None, :] <= qb  # [T, N]
+    forced = (ids[None, :] > qb - local) | (ids[None, :] < init)
+    key = block_scores.float().masked_fill(forced[None], float("inf"))
+    key = key.masked_fill(~visible[None], float("-inf"))  # [K, T, N]
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :topk]  # [K, T, k']
+    valid = visible[None].expand_as(key).gather(-1, order)
+    chosen = torch.where(valid, order, n_blocks).sort(dim=-1).values
+    chosen = chosen.masked_fill(chosen == n_blocks, -1)
+    if chosen.shape[-1] < topk:
+        chosen = torch.nn.functional.pad(chosen, (0, topk - chosen.shape[-1]), value=-1)
+    return chosen
+
+
+def msa_select_ref(
+    iq: torch.Tensor,
+    ik: torch.Tensor,
+    q_pos: torch.Tensor,
+    block_size: int,
+    topk: int,
+    local: int,
+    init: int,
+) -> torch.Tensor | None:
+    """Per-KV-group block selection [K, T, k] for queries iq [T, K, Di] over index keys ik [Tk, Di].
+
+    Returns None when every query sees at most `topk` blocks: attention is then exactly dense.
+    """
+    if int(q_pos.max()) < topk * block_size:
+        return None
+    step = _query_chunk(iq.shape[1], ik.shape[0])
+    out = []
+    for s in range(0, iq.shape[0], step):
+        scores = index_block_scores_ref(iq[s : s + step], ik, q_pos[s : s + step], block_size)
+        out.append(select_blocks_ref(scores, q_pos[s : s + step], block_size, topk, local, init))
+    return torch.cat(out, dim=1)
+
+
+def msa_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    block_ids: torch.Tensor | None = None,
+    block_size: int = 0,
+) -> torch.Tensor:
+    """Causal GQA attention, restricted to the selected blocks when `block_ids` is given.
+
+    q [T, H, D], k/v [Tk, K, D], q_pos [T], block_ids [K, T, k] (-1 = unused) -> [T, H, D].
+    Query t attends key j when j <= t and (no selection, or block(j) is selected for t's group).
+    Softmax and accumulation in fp32.
+    """
+    t_len, n_heads, _ = q.shape
+    tk, n_kv, _ = k.shape
+    groups = n_heads // n_kv
+    key_pos = torch.arange(tk, device=q.device)
+    kf, vf = k.float(), v.float()
+    out = torch.empty_like(q)
+    step = _query_chunk(n_heads, tk)
+    for s in range(0, t_len, step):
+        qc = q[s : s + step].float().unflatten(1, (n_kv, groups))  # [Tc, K, G, D]
+        scores = torch.einsum("tkgd,jkd->kgtj", qc, kf) * scale  # [K, G, Tc, Tk]
+        keep = (key_pos[None, :] <= q_pos[s : s + step, None])[None]  # [1, Tc, Tk]
+        if block_ids is not None:
+            keep = keep & _block_keep(block_ids[:, s : s + step], tk, block_size)  # [K, Tc, Tk]
+        scores = scores.masked_fill(~keep[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        oc = torch.einsum("kgtj,jkd->tkgd", probs, vf)  # [Tc, K, G, D]
+        out[s : s + step] = oc.flatten(1, 2).to(q.dtype)
+    return out
+
+
+def _block_keep(block_ids: torch.Tensor, tk: int, block_size: int) -> torch.Tensor:
+    """Key mask [K, Tc, Tk] from block ids [K, Tc, k]."""
+    n_blocks = -(-tk // block_size)
+    safe = block_ids.masked_fill(block_ids < 0, n_blocks)
+    mask = torch.zeros(*block_ids.shape[:2], n_blocks + 1, dtype=torch.bool, device=block_ids.device)
+    mask.scatter_(-1, safe, True)
+    key_block = torch.arange(tk, device=block_ids.device) // block_size
+    return mask[..., key_block]  # [K, Tc, Tk]

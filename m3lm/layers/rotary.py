@@ -1,0 +1,21 @@
+"""Partial rotary embedding, NeoX "rotate half" pairing inside the first `rotary_dim` channels."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, R/2] in fp32 for absolute positions [T]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, R/2]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channels [0, R) of x [T, n, D]; channels [R, D) pass through. Math in fp32."""
+    half = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R/2]
+    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)  # [T, n, R]
+    return torch.cat([out, x[..., 2 * half :]], dim=-1)  # [T, n, D]

@@ -1,0 +1,210 @@
+"""Stream a safetensors checkpoint into a MiniMax-M3 model, strictly.
+
+Plan first, from the file headers alone: every tensor is remapped (`remap_key`), its shape and
+dtype checked, and coverage verified (every parameter, and every expert slot, written exactly
+once; no language-model tensor left unclaimed). Only then are bytes read, one tensor slice at a
+time from memory-mapped files, so the peak host memory is about the size of the weights and a
+bad checkpoint fails before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from m3lm.config import ModelArgs
+from m3lm.errors import CheckpointError
+from m3lm.kernels.fp8 import MX_BLOCK, dequant_mxfp8
+from m3lm.models.minimax_m3 import MiniMaxM3, Piece, release_name, remap_key
+
+SCALE_SUFFIX = "_scale_inv"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+FP32_PARAMS = ("block_sparse_moe.gate.weight", "block_sparse_moe.e_score_correction_bias")
+
+
+@dataclass(frozen=True)
+class Source:
+    file: Path
+    name: str
+    scale: str | None  # the `*_scale_inv` sibling of an MXFP8 tensor
+    scale_file: Path | None  # may be another shard
+    pieces: tuple[Piece, ...]
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """A torch dtype or its name; default bf16 on a GPU, fp32 on the CPU."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"unsupported dtype {dtype!r} (expected one of {sorted(DTYPES)})")
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the shard index if there is one, else model.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [path / f for f in dict.fromkeys(weight_map.values())]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def check_dir(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"model path {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"model path {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (not a model checkpoint directory)")
+    return path
+
+
+def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """name -> (file, shape, dtype) for every tensor, from the headers only."""
+    out: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    sl = st.get_slice(name)
+                    out[name] = (f, tuple(sl.get_shape()), sl.get_dtype())
+        except Exception as e:  # safetensors raises several types for truncated or corrupt files
+            raise CheckpointError(f"{f}: cannot read safetensors header ({e})") from None
+    return out
+
+
+def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3) -> list[Source]:
+    """Map every checkpoint tensor to parameter pieces; raise on any gap, overlap or mismatch."""
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    tensors = _headers(files)
+    sources, errors, unclaimed = [], [], []
+    written: dict[tuple[str, int | None], int] = defaultdict(int)
+    for name, (file, shape, dtype) in tensors.items():
+        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in tensors:
+            continue  # consumed with its tensor
+        r = remap_key(name, shape, args, params)
+        if r is None:
+            continue
+        if r.shape is None or any(p.param not in params for p in r.pieces):
+            unclaimed.append(name)
+            continue
+        if shape != r.shape:
+            errors.append(f"{name}: expected shape {list(r.shape)}, found {list(shape)}")
+            continue
+        scale = name + SCALE_SUFFIX if name + SCALE_SUFFIX in tensors else None
+        if scale is not None:
+            s_shape, s_dtype = tensors[scale][1:]
+            want = (*shape[:-1], shape[-1] // MX_BLOCK)
+            if dtype != "F8_E4M3" or s_dtype != "U8" or s_shape != want or shape[-1] % MX_BLOCK:
+                errors.append(
+                    f"{name}: MXFP8 weight must be F8_E4M3 {list(shape)} with U8 scales {list(want)}, "
+                    f"found {dtype} with {s_dtype} {list(s_shape)}"
+                )
+                continue
+        elif dtype == "F8_E4M3":
+            errors.append(f"{name}: float8 tensor without its {SCALE_SUFFIX} scales")
+            continue
+        for p in r.pieces:
+            written[(p.param, p.slot)] += 1
+        sources.append(Source(file, name, scale, tensors[scale][0] if scale else None, r.pieces))
+    if unclaimed:
+        errors.append(
+            f"unexpected language-model tensor(s) that no parameter claims: {', '.join(sorted(unclaimed))}"
+        )
+    expected = [
+        (n, s)
+        for n, shape in params.items()
+        for s in ([None] if not n.endswith(("w1", "w2", "w3")) else range(shape[0]))
+    ]
+    missing = [release_name(n, s) for n, s in expected if written[(n, s)] == 0]
+    twice = [release_name(n, s) for (n, s), c in written.items() if c > 1]
+    if missing:
+        errors.append(f"missing tensor(s): {', '.join(missing)}")
+    if twice:
+        errors.append(
+            f"tensor(s) given more than once (e.g. packed and separate shared expert): {', '.join(twice)}"
+        )
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    return sources
+
+
+def _read_scale(st, src: Source):
+    """The scales of an MXFP8 tensor, from its own shard or (rarely) another one."""
+    if src.scale_file == src.file:
+        return st.get_slice(src.scale)
+    with safe_open(src.scale_file, framework="pt") as other:
+        return other.get_tensor(src.scale)
+
+
+def stream_weights(
+    model: MiniMaxM3, sources: list[Source], progress: Callable[[int, int], None] | None = None
+) -> None:
+    """Copy every planned tensor into the (already allocated) parameters, one shard at a time."""
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[Source]] = defaultdict(list)
+    for s in sources:
+        by_file[s.file].append(s)
+    done = 0
+    with torch.no_grad():
+        for file, items in by_file.items():
+            try:
+                with safe_open(file, framework="pt") as st:
+                    for src in items:
+                        sl = st.get_slice(src.name)
+                        scale = _read_scale(st, src) if src.scale else None
+                        for p in src.pieces:
+                            t = sl[p.index] if p.index else sl[:]
+                            if scale is not None:
+                                t = dequant_mxfp8(t, scale[p.index] if p.index else scale[:])
+                            target = params[p.param] if p.slot is None else params[p.param][p.slot]
+                            target.copy_(t)
+                        done += 1
+                        if progress is not None:
+                            progress(done, len(sources))
+            except Exception as e:  # truncated or corrupt data surfaces only when it is read
+                raise CheckpointError(f"{file}: cannot read tensor data ({e})") from None
+
+
+def load_model(
+    path: str | Path,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> MiniMaxM3:
+    """Read config.json and the weights of a local checkpoint directory into a MiniMaxM3."""
+    path = check_dir(path)
+    args = ModelArgs.from_file(path / "config.json")
+    files = weight_files(path)
+    dev = (
+        torch.device(device)
+        if device is not None
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    dt = resolve_dtype(dtype, dev)
+    with torch.device("meta"):
+        model = MiniMaxM3(args, dtype=dt)
+    sources = plan(files, args, model)  # a bad checkpoint fails here, before anything is allocated
+    model = model.to_empty(device=dev)
+    stream_weights(model, sources, progress)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,313 @@
+"""MiniMax-M3 text decoder: GQA or MSA attention, dense MLP or MoE, and its checkpoint layouts.
+
+Shape legend: T tokens (packed over sequences), B sequences, H query heads, K KV heads
+(= index heads), G = H/K, D head dim, R rotary dim, Di index head dim, C hidden, E experts,
+A active experts, I expert width, V vocab.
+
+Attribute names mirror the release checkpoint keys (`language_model.` stripped), so a release
+tensor lands on the parameter of the same name; `remap_key` is the one home of the other layouts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from m3lm.config import ModelArgs
+from m3lm.core import ForwardBatch
+from m3lm.kernels.moe import moe_experts_ref
+from m3lm.kernels.msa import msa_attention_ref, msa_select_ref
+from m3lm.layers.mlp import MLP
+from m3lm.layers.moe import route
+from m3lm.layers.norm import RMSNorm
+from m3lm.layers.rotary import apply_rope, rope_cos_sin
+
+
+class Attention(nn.Module):
+    """GQA with per-head QK norm and partial RoPE; on sparse layers, MSA with a lightning indexer."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.sparse = args.sparse_layers[layer_idx]
+        self.n_heads, self.n_kv, self.head_dim = (
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+        )
+        self.scale = args.head_dim**-0.5
+        c, h, k, d = args.hidden_size, self.n_heads, self.n_kv, self.head_dim
+        self.q_proj = nn.Linear(c, h * d, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(c, k * d, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(c, k * d, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(h * d, c, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype)  # one vector shared by all heads
+        self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype)
+        if self.sparse:
+            di = args.index_head_dim
+            self.index_q_proj = nn.Linear(c, args.index_n_heads * di, bias=False, dtype=dtype)
+            self.index_k_proj = nn.Linear(c, di, bias=False, dtype=dtype)  # one index-key head
+            self.index_q_norm = RMSNorm(di, args.rms_norm_eps, dtype)
+            self.index_k_norm = RMSNorm(di, args.rms_norm_eps, dtype)
+            self.msa = (
+                args.index_block_size,
+                args.index_topk_blocks,
+                args.index_local_blocks,
+                args.index_init_blocks,
+            )
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.n_heads, -1)), cos, sin)  # [T, H, D]
+        k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.n_kv, -1)), cos, sin)  # [T, K, D]
+        v = self.v_proj(x).view(t, self.n_kv, -1)  # [T, K, D]
+        if self.sparse:
+            iq = apply_rope(
+                self.index_q_norm(self.index_q_proj(x).view(t, self.n_kv, -1)), cos, sin
+            )  # [T, K, Di]
+            ik = apply_rope(self.index_k_norm(self.index_k_proj(x).view(t, 1, -1)), cos, sin)[:, 0]  # [T, Di]
+        outs, start = [], 0
+        for seq, n in enumerate(batch.q_lens):
+            rows = slice(start, start + n)
+            start += n
+            pos = batch.positions[rows]
+            ks, vs = k[rows], v[rows]
+            if batch.kv is not None:
+                ks, vs = batch.kv.update(self.layer_idx, seq, ks, vs)  # [Tk, K, D]
+            block_ids = None
+            if self.sparse:
+                iks = ik[rows]
+                if batch.kv is not None:
+                    # Index keys join the cache before scoring, so a query sees its own key.
+                    iks = batch.kv.update_index(self.layer_idx, seq, iks)  # [Tk, Di]
+                block_ids = msa_select_ref(iq[rows], iks, pos, *self.msa)  # [K, n, k] or None
+            block_size = self.msa[0] if self.sparse else 0
+            outs.append(msa_attention_ref(q[rows], ks, vs, pos, self.scale, block_ids, block_size))
+        return self.o_proj(torch.cat(outs).flatten(1))  # [T, C]
+
+
+class Experts(nn.Module):
+    """Routed experts stacked along E: w1 gate, w3 up [E, I, C]; w2 down [E, C, I]."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        e, c, i = args.num_local_experts, args.hidden_size, args.intermediate_size
+        self.w1 = nn.Parameter(torch.empty(e, i, c, dtype=dtype))
+        self.w3 = nn.Parameter(torch.empty(e, i, c, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(e, c, i, dtype=dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        self.top_k, self.scaling = args.num_experts_per_tok, args.routed_scaling_factor
+        self.alpha, self.limit = args.swiglu_alpha, args.swiglu_limit
+        # The router stays fp32 whatever the compute dtype: the release stores and runs it so.
+        self.gate = nn.Linear(args.hidden_size, args.num_local_experts, bias=False, dtype=torch.float32)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(args.num_local_experts, dtype=torch.float32))
+        self.experts = Experts(args, dtype)
+        self.shared_experts = MLP(
+            args.hidden_size, args.shared_intermediate_size, args.swiglu_alpha, args.swiglu_limit, dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = nn.functional.linear(x.float(), self.gate.weight)  # [T, E] fp32
+        weights, ids = route(logits, self.e_score_correction_bias, self.top_k)  # [T, A]
+        ex = self.experts
+        routed = moe_experts_ref(x, weights, ids, ex.w1, ex.w3, ex.w2, self.alpha, self.limit)  # [T, C] fp32
+        # routed_scaling_factor scales the routed sum only; the shared expert enters at 1.0.
+        return (routed * self.scaling + self.shared_experts(x).float()).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.self_attn = Attention(args, layer_idx, dtype)
+        if args.moe_layers[layer_idx]:
+            self.block_sparse_moe = MoE(args, dtype)
+        else:
+            self.mlp = MLP(
+                args.hidden_size, args.dense_intermediate_size, args.swiglu_alpha, args.swiglu_limit, dtype
+            )
+
+    def forward(
+        self, h: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, cos, sin)
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return h + ffn(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+
+class MiniMaxM3(nn.Module):
+    """The causal LM: `model(input_ids [B, T])` -> logits [B, T, V] (full causal forward, no cache)."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.args = args
+        self.model = Decoder(args, dtype)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        batch = ForwardBatch.full(b, t, input_ids.device)
+        return self.forward_batch(input_ids.flatten(), batch).view(b, t, -1)
+
+    def forward_batch(
+        self, tokens: torch.Tensor, batch: ForwardBatch, logits_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Packed tokens [T] -> fp32 logits [T, V], or only at `logits_rows` [R] -> [R, V]."""
+        a = self.args
+        h = self.model.embed_tokens(tokens)  # [T, C], no embedding scaling
+        cos, sin = rope_cos_sin(batch.positions, a.rotary_dim, a.rope_theta)  # [T, R/2] fp32
+        for layer in self.model.layers:
+            h = layer(h, batch, cos, sin)
+        if logits_rows is not None:
+            h = h[logits_rows]
+        return self.lm_head(self.model.norm(h)).float()
+
+
+def random_init_(model: MiniMaxM3, std: float = 0.02, seed: int = 0) -> MiniMaxM3:
+    """Fill every parameter with seeded normal noise (norms and router bias too), for tests and benchmarks."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model
+
+
+# --- checkpoint layouts -------------------------------------------------------------------------
+
+SKIP_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "patch_merge_mlp.",
+    "mtp.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "model.mtp.",
+    "language_model.mtp.",
+    "language_model.model.mtp.",
+    "model.language_model.mtp.",
+)
+PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+RENAMES = {
+    "self_attn.indexer.q_proj.weight": "self_attn.index_q_proj.weight",
+    "self_attn.indexer.k_proj.weight": "self_attn.index_k_proj.weight",
+    "self_attn.indexer.q_norm.weight": "self_attn.index_q_norm.weight",
+    "self_attn.indexer.k_norm.weight": "self_attn.index_k_norm.weight",
+    "block_sparse_moe.gate.e_score_correction_bias": "block_sparse_moe.e_score_correction_bias",
+}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part `index` of a checkpoint tensor goes to parameter `param` (slot `slot` of a stacked one)."""
+
+    param: str
+    slot: int | None = None
+    index: tuple = ()
+
+
+@dataclass(frozen=True)
+class Remapped:
+    pieces: tuple[Piece, ...]
+    shape: tuple[int, ...] | None  # the source shape the pieces expect; None when the target is unknown
+
+
+def remap_key(
+    name: str, shape: tuple[int, ...], args: ModelArgs, params: dict[str, tuple]
+) -> Remapped | None:
+    """Where checkpoint tensor `name` goes: None to skip it (vision, projector, MTP).
+
+    Handles the release layout, the transformers re-save (fused gate_up, stacked experts, possibly
+    with the shared expert packed as entry E) and m3lm's own names (idempotent). `params` maps
+    parameter names to shapes; a name that reaches no parameter comes back with shape None.
+    """
+    if name.startswith(SKIP_PREFIXES):
+        return None
+    for old, new in PREFIXES:
+        if name.startswith(old):
+            name = new + name[len(old) :]
+            break
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return Remapped((Piece(name),), params.get(name))
+    layer, rest = int(m.group(1)), m.group(2)
+    base = f"model.layers.{layer}."
+    moe = layer < args.num_hidden_layers and args.moe_layers[layer]
+    if moe and rest.startswith("mlp."):
+        rest = "block_sparse_moe." + rest[len("mlp.") :]
+    rest = RENAMES.get(rest, rest)
+
+    if rest in ("mlp.gate_up_proj.weight", "block_sparse_moe.shared_experts.gate_up_proj.weight"):
+        owner = base + rest[: -len("gate_up_proj.weight")]
+        gate = params.get(owner + "gate_proj.weight")
+        if gate is None:
+            return Remapped((Piece(base + rest),), None)
+        i = gate[0]
+        halves = (
+            Piece(owner + "gate_proj.weight", None, (slice(0, i),)),
+            Piece(owner + "up_proj.weight", None, (slice(i, 2 * i),)),
+        )
+        return Remapped(halves, (2 * i, gate[1]))
+    if moe and (e := _EXPERT.fullmatch(rest)):
+        param = base + f"block_sparse_moe.experts.{e.group(2)}"
+        return Remapped(
+            (Piece(param, int(e.group(1))),), tuple(params[param][1:]) if param in params else None
+        )
+    if moe and rest in ("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj"):
+        return _stacked(base, rest.rsplit(".", 1)[1], shape, args)
+    return Remapped((Piece(base + rest),), params.get(base + rest))
+
+
+def _stacked(base: str, kind: str, shape: tuple[int, ...], args: ModelArgs) -> Remapped:
+    """transformers' stacked experts [E(+1), 2I, C] / [E(+1), C, I]; entry E is a packed shared expert."""
+    n_exp, c, i = args.num_local_experts, args.hidden_size, args.intermediate_size
+    packed = bool(shape) and shape[0] == n_exp + 1 and args.shared_intermediate_size == i
+    rows = n_exp + 1 if packed else n_exp
+    ex, sh = base + "block_sparse_moe.experts.", base + "block_sparse_moe.shared_experts."
+    pieces = []
+    if kind == "gate_up_proj":
+        for e in range(n_exp):
+            pieces += [Piece(ex + "w1", e, (e, slice(0, i))), Piece(ex + "w3", e, (e, slice(i, 2 * i)))]
+        if packed:
+            pieces += [
+                Piece(sh + "gate_proj.weight", None, (n_exp, slice(0, i))),
+                Piece(sh + "up_proj.weight", None, (n_exp, slice(i, 2 * i))),
+            ]
+        return Remapped(tuple(pieces), (rows, 2 * i, c))
+    pieces = [Piece(ex + "w2", e, (e,)) for e in range(n_exp)]
+    if packed:
+        pieces.append(Piece(sh + "down_proj.weight", None, (n_exp,)))
+    return Remapped(tuple(pieces), (rows, c, i))
+
+
+def release_name(param: str, slot: int | None = None) -> str:
+    """The release-layout key of a parameter (or of one expert's slice), for error messages."""
+    if slot is not None:
+        owner, w = param.rsplit(".", 1)
+        return f"language_model.{owner}.{slot}.{w}.weight"
+    return "language_model." + param
