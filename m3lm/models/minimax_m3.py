@@ -220,6 +220,7 @@ RENAMES = {
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+_STACKED = re.compile(r"block_sparse_moe\.experts\.(w[123])")
 
 
 @dataclass(frozen=True)
@@ -278,6 +279,9 @@ def remap_key(
         return Remapped(
             (Piece(param, int(e.group(1))),), tuple(params[param][1:]) if param in params else None
         )
+    if moe and _STACKED.fullmatch(rest) and base + rest in params:  # m3lm's own stacked names
+        shape = params[base + rest]
+        return Remapped(tuple(Piece(base + rest, e, (e,)) for e in range(shape[0])), shape)
     if moe and rest in ("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj"):
         return _stacked(base, rest.rsplit(".", 1)[1], shape, args)
     return Remapped((Piece(base + rest),), params.get(base + rest))

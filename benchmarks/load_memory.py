@@ -1,0 +1,242 @@
+"""Peak host memory of loading a sharded release-layout checkpoint, against its weight bytes.
+
+The benchmark writes a random bf16 checkpoint of a bit over 2 GB in the release VL layout
+(`config.json` with `text_config`, `language_model.model.*` keys, one tensor per routed expert,
+fp32 router) as several safetensors shards with a `model.safetensors.index.json`, one shard at a
+time. It then runs `m3lm.load(dir, device="cpu", dtype=torch.bfloat16)` in a fresh Python process
+and reports that process's RSS after `import torch, m3lm` (baseline), its peak RSS
+(`ru_maxrss`), the load time, the bytes of the loaded parameters, and the ratio
+(peak - baseline) / weight bytes. A loader that streams tensors into preallocated parameters
+should stay close to 1.0; RSS also counts the pages of the memory-mapped shard being read, so
+expect about one shard on top.
+
+Run from the repository root:
+
+    python3 benchmarks/load_memory.py --out benchmarks/results/load_memory.md
+
+`--out` appends a dated section (command, device, torch version, figures) to the file.
+`--workdir DIR` keeps the generated checkpoint in DIR instead of a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from m3lm.config import ModelArgs  # noqa: E402
+from m3lm.models.minimax_m3 import MiniMaxM3, release_name  # noqa: E402
+
+LAYERS = 9  # layer 0 dense MLP + full attention, layers 1-8 MoE + MSA
+
+
+def text_config() -> dict:
+    """Release-style text config: bf16 weights of about 2.3 GB."""
+    n = LAYERS
+    return {
+        "model_type": "minimax_m3",
+        "architectures": ["MiniMaxM3SparseForCausalLM"],
+        "vocab_size": 32064,
+        "hidden_size": 2048,
+        "num_hidden_layers": n,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "rotary_dim": 64,
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 5000000,
+        "max_position_embeddings": 1048576,
+        "rms_norm_eps": 1e-06,
+        "hidden_act": "swigluoai",
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "use_gemma_norm": True,
+        "use_qk_norm": True,
+        "qk_norm_type": "per_head",
+        "attention_output_gate": False,
+        "intermediate_size": 1024,
+        "dense_intermediate_size": 8192,
+        "shared_intermediate_size": 1024,
+        "n_shared_experts": 1,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 4,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "routed_scaling_factor": 2.0,
+        "norm_topk_prob": True,
+        "moe_layer_freq": [0] + [1] * (n - 1),
+        "tie_word_embeddings": False,
+        "sparse_attention_config": {
+            "use_sparse_attention": True,
+            "sparse_score_type": "max",
+            "sparse_attention_freq": [0] + [1] * (n - 1),
+            "sparse_disable_index_value": [0] + [1] * (n - 1),
+            "sparse_num_index_heads": 4,
+            "sparse_index_dim": 128,
+            "sparse_block_size": 128,
+            "sparse_topk_blocks": 16,
+            "sparse_init_block": 0,
+            "sparse_local_block": 1,
+        },
+        "num_mtp_modules": 0,
+    }
+
+
+def release_tensors(args: ModelArgs) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(release key, shape, dtype) of every language-model tensor, from a model on the meta device."""
+    with torch.device("meta"):
+        model = MiniMaxM3(args, dtype=torch.bfloat16)
+    out = []
+    for name, p in model.named_parameters():
+        if name.endswith(("experts.w1", "experts.w2", "experts.w3")):
+            out += [(release_name(name, e), tuple(p.shape[1:]), p.dtype) for e in range(p.shape[0])]
+        else:
+            out.append((release_name(name), tuple(p.shape), p.dtype))
+    return out
+
+
+def write_checkpoint(path: Path, shard_bytes: int) -> int:
+    """Write config.json, the shards and the index; return the bytes of tensor data written."""
+    config = {
+        "model_type": "minimax_m3_vl",
+        "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+        "text_config": text_config(),
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
+    size = total = 0
+    for t in release_tensors(ModelArgs.from_dict(config)):
+        nbytes = torch.Size(t[1]).numel() * t[2].itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+        total += nbytes
+    gen = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for k, specs in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {n: torch.empty(s, dtype=dt).normal_(0.0, 0.02, generator=gen) for n, s, dt in specs}
+        save_file(tensors, path / fname, metadata={"format": "pt"})
+        del tensors
+        weight_map.update(dict.fromkeys((n for n, _, _ in specs), fname))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return total
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def child(path: str) -> None:
+    """Runs in the fresh process: load and print the figures as JSON."""
+    import resource
+
+    import m3lm
+
+    baseline = rss_bytes()
+    t0 = time.perf_counter()
+    loaded = m3lm.load(path, device="cpu", dtype=torch.bfloat16)
+    seconds = time.perf_counter() - t0
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(
+        json.dumps(
+            {"baseline": baseline, "peak": peak, "after": rss_bytes(), "weights": weights, "seconds": seconds}
+        )
+    )
+
+
+def device() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
+    ram = int(mem.split()[1]) * 1024 / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {ram:.1f} GiB RAM"
+
+
+def report(r: dict, n_shards: int, disk: int) -> str:
+    gib = 2**30
+    extra = r["peak"] - r["baseline"]
+    rows = [
+        ("checkpoint", f"release VL layout, bf16, {n_shards} shards, {disk / gib:.2f} GiB on disk"),
+        ("weight bytes (loaded parameters)", f"{r['weights'] / gib:.3f} GiB ({r['weights']:,} B)"),
+        ("baseline RSS (after `import torch, m3lm`)", f"{r['baseline'] / gib:.3f} GiB"),
+        ("peak RSS (`ru_maxrss`)", f"{r['peak'] / gib:.3f} GiB"),
+        ("RSS after load", f"{r['after'] / gib:.3f} GiB"),
+        ("peak - baseline", f"{extra / gib:.3f} GiB"),
+        ("**(peak - baseline) / weight bytes**", f"**{extra / r['weights']:.3f}**"),
+        ("load time (shards in the page cache)", f"{r['seconds']:.1f} s"),
+    ]
+    return "\n".join(["| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="append a dated Markdown section to this file")
+    ap.add_argument(
+        "--workdir", type=Path, help="write the checkpoint here and keep it (default: a temp dir)"
+    )
+    ap.add_argument("--shard-mb", type=int, default=400, help="target shard size in MB (default 400)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        return child(a.child)
+
+    command = shlex.join(["python3", *sys.argv])
+    with tempfile.TemporaryDirectory(prefix="m3lm-load-memory-") as tmp:
+        path = a.workdir or Path(tmp)
+        path.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        write_checkpoint(path, a.shard_mb * 10**6)
+        os.sync()  # flush the fresh shards, so writeback does not slow the timed load
+        shards = sorted(path.glob("model-*.safetensors"))
+        disk = sum(f.stat().st_size for f in shards)
+        print(f"wrote {len(shards)} shards, {disk / 2**30:.2f} GiB, in {time.perf_counter() - t0:.0f} s")
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", str(path)], stdout=subprocess.PIPE, text=True, check=True
+        )
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    table = report(result, len(shards), disk)
+    print(table)
+    if a.out:
+        date = datetime.now(timezone.utc).strftime("%a %b %d %H:%M:%S UTC %Y")
+        section = (
+            f"## {date}\n\n"
+            f"Command: `{command}`\n\n"
+            f"Device: {device()}; Python {platform.python_version()}, torch {torch.__version__}\n\n"
+            f"{table}\n"
+        )
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        with a.out.open("a") as f:
+            f.write(("\n" if a.out.stat().st_size else "# Checkpoint load: peak host memory\n\n") + section)
+        print(f"appended to {a.out}")
+
+
+if __name__ == "__main__":
+    main()

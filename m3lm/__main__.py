@@ -1,0 +1,5 @@
+import sys
+
+from m3lm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,31 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(os.environ.get("M3LM_FIXTURES", REPO.parent / "shared" / "fixtures"))
+
+
+def fixture_dirs() -> list[Path]:
+    """Every golden checkpoint under ../shared/fixtures (none in a user's clone)."""
+    if not FIXTURES.is_dir():
+        return []
+    return sorted(p for p in FIXTURES.iterdir() if (p / "expected.safetensors").is_file())
+
+
+def golden_params():
+    dirs = fixture_dirs()
+    if not dirs:
+        return [pytest.param(None, marks=pytest.mark.skip(reason=f"no golden fixtures at {FIXTURES}"))]
+    return [pytest.param(d, id=d.name) for d in dirs]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

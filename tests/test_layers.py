@@ -1,0 +1,226 @@
+"""Unit tests of the building blocks against closed forms and brute force."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
+from m3lm.kernels.moe import moe_experts_ref
+from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
+from m3lm.layers.mlp import swiglu_oai
+from m3lm.layers.moe import route
+from m3lm.layers.norm import rms_norm
+from m3lm.layers.rotary import apply_rope, rope_cos_sin
+
+
+def test_router_bias_changes_choice_not_weights():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    w0, ids0 = route(logits, torch.zeros(4), 2)
+    assert sorted(ids0[0].tolist()) == [0, 1]
+    bias = torch.tensor([0.0, 0.0, 0.0, 10.0])
+    w1, ids1 = route(logits, bias, 2)
+    assert ids1[0].tolist() == [3, 0]
+    s = torch.sigmoid(logits[0])
+    assert torch.allclose(w1[0], torch.stack([s[3], s[0]]) / (s[3] + s[0]))  # unbiased scores
+    assert torch.allclose(w0.sum(-1), torch.ones(1))
+
+
+def test_router_ties_go_to_lower_expert():
+    logits = torch.zeros(3, 6)
+    _, ids = route(logits, torch.zeros(6), 3)
+    assert ids.tolist() == [[0, 1, 2]] * 3
+
+
+def test_swiglu_oai_closed_form():
+    gate = torch.tensor([-10.0, -1.0, 0.5, 9.0])
+    up = torch.tensor([-9.0, 0.3, 2.0, 8.0])
+    out = swiglu_oai(gate, up, 1.702, 7.0)
+    for g, u, o in zip(gate.tolist(), up.tolist(), out.tolist(), strict=True):
+        g, u = min(g, 7.0), max(-7.0, min(u, 7.0))
+        assert o == pytest.approx(g / (1 + math.exp(-1.702 * g)) * (u + 1.0), rel=1e-6)
+
+
+def test_gemma_rms_norm_closed_form():
+    x = torch.tensor([[3.0, -4.0]], dtype=torch.bfloat16)
+    w = torch.tensor([0.0, 1.0])
+    out = rms_norm(x, w, 0.0)
+    rms = math.sqrt((9 + 16) / 2)
+    assert out.dtype == torch.bfloat16
+    assert out.float().tolist()[0] == pytest.approx([3 / rms, 2 * -4 / rms], rel=1e-2)
+
+
+def test_partial_rope_closed_form():
+    d, r, theta = 8, 4, 100.0
+    x = torch.randn(5, 3, d)
+    pos = torch.tensor([0, 1, 7, 100, 4095])
+    cos, sin = rope_cos_sin(pos, r, theta)
+    out = apply_rope(x, cos, sin)
+    for t, p in enumerate(pos.tolist()):
+        for i in range(r // 2):
+            a = p * theta ** (-2 * i / r)
+            x1, x2 = x[t, :, i], x[t, :, i + r // 2]
+            assert torch.allclose(out[t, :, i], x1 * math.cos(a) - x2 * math.sin(a), atol=1e-4)
+            assert torch.allclose(out[t, :, i + r // 2], x2 * math.cos(a) + x1 * math.sin(a), atol=1e-4)
+    assert torch.equal(out[..., r:], x[..., r:])  # channels past the rotary dim pass through
+    assert torch.equal(out[0], x[0])  # position 0 is the identity
+
+
+def test_qk_norm_is_per_head():
+    """One weight vector shared by all heads, each head normalised on its own."""
+    from m3lm.layers.norm import RMSNorm
+
+    norm = RMSNorm(4, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([0.5, 0.0, -0.5, 1.0]))
+    x = torch.randn(2, 3, 4)
+    x[:, 1] *= 100  # a loud head must not change the others
+    out = norm(x)
+    for h in range(3):
+        assert torch.allclose(out[:, h], rms_norm(x[:, h], norm.weight, 1e-6))
+    assert out[:, 1].abs().max() < 10
+
+
+def brute_force_select(scores, q_pos, block, topk, local, init):
+    """Per group and query, enumerate the rule of the model contract."""
+    k, t_len, _ = scores.shape
+    out = []
+    for h in range(k):
+        rows = []
+        for t in range(t_len):
+            qb = int(q_pos[t]) // block
+            visible = list(range(qb + 1))
+            if len(visible) <= topk:
+                rows.append(set(visible))
+                continue
+            forced = {b for b in visible if b > qb - local or b < init}
+            rest = sorted((b for b in visible if b not in forced), key=lambda b: (-float(scores[h, t, b]), b))
+            rows.append(forced | set(rest[: topk - len(forced)]))
+        out.append(rows)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("block", "topk", "local", "init"), [(4, 3, 1, 0), (2, 4, 2, 1), (3, 2, 0, 0), (5, 5, 1, 2), (1, 6, 3, 0)]
+)
+def test_block_selection_matches_brute_force(block, topk, local, init):
+    gen = torch.Generator().manual_seed(block * 100 + topk)
+    t_len, k = 40, 3
+    q_pos = torch.arange(t_len) + 3
+    n_blocks = -(-(t_len + 3) // block)
+    # Integer scores so ties happen often.
+    scores = torch.randint(0, 4, (k, t_len, n_blocks), generator=gen).float()
+    chosen = select_blocks_ref(scores, q_pos, block, topk, local, init)
+    assert chosen.shape == (k, t_len, topk)
+    want = brute_force_select(scores, q_pos, block, topk, local, init)
+    for h, t in itertools.product(range(k), range(t_len)):
+        row = chosen[h, t].tolist()
+        got = [b for b in row if b >= 0]
+        assert row == got + [-1] * (topk - len(got))  # ascending, -1 padded on the right
+        assert got == sorted(want[h][t]), (h, t)
+
+
+def test_index_scores_pool_visible_keys_only():
+    iq = torch.randn(6, 2, 8)
+    ik = torch.randn(6, 8)
+    pos = torch.arange(6)
+    scores = index_block_scores_ref(iq, ik, pos, 4)  # [K, T, 2]
+    full = torch.einsum("thd,jd->htj", iq, ik)
+    assert torch.allclose(scores[:, 5, 1], full[:, 5, 4:6].amax(-1))
+    assert torch.allclose(scores[:, 4, 1], full[:, 4, 4])  # key 5 is in the future of query 4
+    assert torch.isinf(scores[:, 3, 1]).all()
+
+
+def test_indexer_degenerates_to_dense_attention():
+    """With a top-k covering every block, MSA attention equals dense causal attention."""
+    gen = torch.Generator().manual_seed(0)
+    t_len, h, k, d = 37, 4, 2, 8
+    q, kk, v = (torch.randn(t_len, n, d, generator=gen) for n in (h, k, k))
+    iq, ik = torch.randn(t_len, k, d, generator=gen), torch.randn(t_len, d, generator=gen)
+    pos = torch.arange(t_len)
+    assert msa_select_ref(iq, ik, pos, 4, 10, 1, 0) is None  # 10 blocks cover 37 tokens: exact shortcut
+    block_ids = select_blocks_ref(index_block_scores_ref(iq, ik, pos, 4), pos, 4, 10, 1, 0)
+    sparse = msa_attention_ref(q, kk, v, pos, 0.3, block_ids, 4)
+    dense = msa_attention_ref(q, kk, v, pos, 0.3)
+    ref = torch.softmax(
+        (torch.einsum("thd,jhd->htj", q, kk.repeat_interleave(2, 1)) * 0.3).masked_fill(
+            torch.ones(t_len, t_len).triu(1).bool(), float("-inf")
+        ),
+        -1,
+    )
+    ref = torch.einsum("htj,jhd->thd", ref, v.repeat_interleave(2, 1))
+    assert torch.allclose(dense, ref, atol=1e-5)
+    assert torch.allclose(sparse, dense, atol=1e-6)
+
+
+def test_sparse_attention_masks_unselected_blocks():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(1, 2, 4, generator=gen),
+        torch.randn(12, 1, 4, generator=gen),
+        torch.randn(12, 1, 4, generator=gen),
+    )
+    pos = torch.tensor([10])
+    block_ids = torch.tensor([[[0, 2]]])  # blocks of 4: keys 0-3 and 8-10 (11 is in the future)
+    out = msa_attention_ref(q, k, v, pos, 0.5, block_ids, 4)
+    keys = [0, 1, 2, 3, 8, 9, 10]
+    p = torch.softmax((q[0] @ k[keys, 0].T) * 0.5, -1)
+    assert torch.allclose(out[0], p @ v[keys, 0], atol=1e-6)
+
+
+def test_attention_chunking_is_invisible(monkeypatch):
+    import m3lm.kernels.msa as msa
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (
+        torch.randn(50, 4, 8, generator=gen),
+        torch.randn(50, 2, 8, generator=gen),
+        torch.randn(50, 2, 8, generator=gen),
+    )
+    iq, ik = torch.randn(50, 2, 8, generator=gen), torch.randn(50, 8, generator=gen)
+    pos = torch.arange(50)
+    sel = msa_select_ref(iq, ik, pos, 4, 3, 1, 0)
+    whole = msa_attention_ref(q, k, v, pos, 0.3, sel, 4)
+    monkeypatch.setattr(msa, "SCORE_BUDGET", 7 * 4 * 50)  # 7 queries per chunk
+    assert torch.equal(msa_select_ref(iq, ik, pos, 4, 3, 1, 0), sel)
+    assert torch.allclose(msa_attention_ref(q, k, v, pos, 0.3, sel, 4), whole, atol=1e-6)
+
+
+def test_moe_dispatch_matches_per_token_loop():
+    gen = torch.Generator().manual_seed(3)
+    t_len, c, e, i, a = 9, 8, 5, 6, 2
+    x = torch.randn(t_len, c, generator=gen)
+    w1, w3 = torch.randn(e, i, c, generator=gen), torch.randn(e, i, c, generator=gen)
+    w2 = torch.randn(e, c, i, generator=gen)
+    weights, ids = route(torch.randn(t_len, e, generator=gen), torch.zeros(e), a)
+    out = moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0)
+    for t in range(t_len):
+        want = sum(
+            weights[t, j]
+            * (w2[ids[t, j]] @ swiglu_oai(w1[ids[t, j]] @ x[t], w3[ids[t, j]] @ x[t], 1.702, 7.0))
+            for j in range(a)
+        )
+        assert torch.allclose(out[t], want, atol=1e-4)
+
+
+def test_mxfp8_dequant_hand_values():
+    q = torch.tensor([[1.0, -2.0, 0.5, 448.0] + [0.0] * 28 + [3.0] + [0.0] * 31]).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[127, 130]], dtype=torch.uint8)  # 2^0 for the first 32, 2^3 for the next
+    w = dequant_mxfp8(q, scale)
+    assert w[0, :4].tolist() == [1.0, -2.0, 0.5, 448.0]
+    assert w[0, 32].item() == 24.0
+    small = dequant_mxfp8(q[:, :32], torch.tensor([[120]], dtype=torch.uint8))
+    assert small[0, 1].item() == -2.0 * 2.0**-7
+    nan = dequant_mxfp8(q[:, :32], torch.tensor([[255]], dtype=torch.uint8))
+    assert torch.isnan(nan).all()
+
+
+def test_mxfp8_quantize_roundtrip_is_close():
+    w = torch.randn(4, 64) * torch.logspace(-3, 2, 64)
+    q, scale = quantize_mxfp8(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (4, 2)
+    assert (
+        (dequant_mxfp8(q, scale) - w).abs()
+        <= w.abs().unflatten(-1, (2, 32)).amax(-1).repeat_interleave(32, -1) / 8
+    ).all()
