@@ -2,22 +2,64 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from m3lm.config import ModelArgs
+from m3lm.config import EngineConfig, ModelArgs
+from m3lm.core import SamplingParams
 from m3lm.errors import CheckpointError, ConfigError, M3lmError
-from m3lm.loader import load_model
+from m3lm.generate import GenerationResult, generate, stream_generate
+from m3lm.loader import check_dir, load_model
 from m3lm.models.minimax_m3 import MiniMaxM3
 
 __version__ = "0.1.0"
-__all__ = ["CheckpointError", "ConfigError", "M3lmError", "MiniMaxM3", "ModelArgs", "load", "load_model"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "EngineConfig",
+    "GenerationResult",
+    "M3lmError",
+    "MiniMaxM3",
+    "ModelArgs",
+    "SamplingParams",
+    "generate",
+    "load",
+    "load_model",
+    "stream_generate",
+]
 
 
 def load(
-    path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | str | None = None
+    path: str | Path,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[MiniMaxM3, Any]:
-    """Load a local checkpoint directory: returns (model, tokenizer). The tokenizer is None for now."""
-    return load_model(path, device=device, dtype=dtype), None
+    """Load a local checkpoint directory: returns (model, tokenizer or None).
+
+    The model carries the checkpoint's generation_config.json as `model.generation_config`
+    (sampling defaults and EOS ids).
+    """
+    from m3lm.tokenizer import load_tokenizer
+
+    path = check_dir(path)
+    model = load_model(path, device=device, dtype=dtype, progress=progress)
+    model.generation_config = read_generation_config(path)
+    return model, load_tokenizer(path)
+
+
+def read_generation_config(path: Path) -> dict:
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return {}
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{f}: must hold a JSON object")
+    return data

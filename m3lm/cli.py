@@ -1,9 +1,10 @@
-"""The `m3lm` command line: list (more subcommands arrive with the engine)."""
+"""The `m3lm` command line: list | generate | chat."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from m3lm.errors import M3lmError
 
@@ -20,13 +21,7 @@ FAMILIES = [
 
 def cmd_list(_: argparse.Namespace) -> int:
     cols = ["model_type", "architecture", "msa", "moe", "quantized"]
-    heads = {
-        "model_type": "MODEL_TYPE",
-        "architecture": "ARCHITECTURE",
-        "msa": "MSA",
-        "moe": "MOE",
-        "quantized": "QUANTIZED",
-    }
+    heads = {c: c.upper() for c in cols}
     widths = {c: max(len(heads[c]), *(len(f[c]) for f in FAMILIES)) for c in cols}
     print("  ".join(heads[c].ljust(widths[c]) for c in cols).rstrip())
     for f in FAMILIES:
@@ -34,11 +29,145 @@ def cmd_list(_: argparse.Namespace) -> int:
     return 0
 
 
+def _load(args: argparse.Namespace):
+    import m3lm
+
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+
+    try:
+        return m3lm.load(args.model, device=args.device, dtype=args.dtype, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos or None,
+    }
+
+
+def _template_kwargs(args: argparse.Namespace) -> dict:
+    return {"thinking_mode": args.thinking_mode} if args.thinking_mode else {}
+
+
+def _stream(model, tokenizer, args: argparse.Namespace, **prompt) -> str:
+    """Stream one reply to stdout; return its text. Stats go to stderr."""
+    from m3lm.generate import peak_memory_bytes, stream_generate
+
+    start, first, text, n_prompt, n_gen = time.perf_counter(), None, [], 0, 0
+    for chunk in stream_generate(
+        model, tokenizer, msa_dense_window=args.msa_dense_window, **prompt, **_sampling(args)
+    ):
+        first = first or time.perf_counter()
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        text.append(chunk.text)
+        n_prompt, n_gen = chunk.prompt_tokens, chunk.generation_tokens
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    first = first or end
+    gen_tps = (n_gen - 1) / (end - first) if n_gen > 1 and end > first else 0.0
+    mem = peak_memory_bytes(model.lm_head.weight.device) / 2**30
+    print(
+        f"prompt: {n_prompt} tokens, {n_prompt / max(first - start, 1e-9):.1f} tok/s | "
+        f"generation: {n_gen} tokens, {gen_tps:.1f} tok/s | peak memory: {mem:.2f} GiB",
+        file=sys.stderr,
+    )
+    return "".join(text)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    model, tokenizer = _load(args)
+    if args.chat or args.system:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        _stream(model, tokenizer, args, messages=messages, chat_template_kwargs=_template_kwargs(args))
+    else:
+        _stream(model, tokenizer, args, prompt=args.prompt)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A REPL that keeps the conversation; /reset clears it, /exit or end of input quits."""
+    model, tokenizer = _load(args)
+    if tokenizer is None or not tokenizer.has_chat_template:
+        raise M3lmError(f"{args.model} has no tokenizer with a chat template")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print(">> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        line = line.rstrip("\n")
+        if line.strip() == "/reset":
+            history = []
+            print("(history cleared)", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = _stream(
+            model, tokenizer, args, messages=system + history, chat_template_kwargs=_template_kwargs(args)
+        )
+        history.append({"role": "assistant", "content": reply})
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--thinking-mode", choices=["enabled", "disabled", "adaptive"], default=None)
+    p.add_argument(
+        "--msa-dense-window",
+        type=float,
+        default=None,
+        metavar="F",
+        help="approximation, off by default: attend densely while the selected window covers >= 1/F of the context",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="m3lm", description="Run MiniMax-M3 models.")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list the supported model families").set_defaults(func=cmd_list)
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    _model_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat that keeps history")
+    _model_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    for p in (gen, chat):
+        p.add_argument(
+            "--verbose", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"
+        )
     return parser
 
 

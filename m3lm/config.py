@@ -343,3 +343,29 @@ def parse_config(config: dict[str, Any]) -> ModelArgs:
         index_init_blocks=s["init"],
         quant_method=_quant_method(config, text),
     )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime knobs of the engine (not properties of a checkpoint).
+
+    `kv_cache_tokens` is the capacity of the paged caches in positions (None: enough for
+    `max_num_seqs` sequences of `max_model_len`, capped by `kv_cache_bytes`). `msa_dense_window`
+    F > 0 is an opt-in approximation: a sparse layer attends densely while its selected window
+    covers at least 1/F of the context (t < F * topk * block_size); off (exact MSA) by default.
+    """
+
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    kv_cache_tokens: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    msa_dense_window: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_tokens"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"{key} = {v!r} must be an integer >= 1")
+        if self.msa_dense_window is not None and not self.msa_dense_window > 0:
+            raise ConfigError(f"msa_dense_window = {self.msa_dense_window!r} must be > 0")

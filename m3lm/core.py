@@ -35,9 +35,84 @@ class ForwardBatch:
     positions: torch.Tensor
     q_lens: list[int]
     kv: KVStore | None = None
+    msa_dense_window: float | None = None  # opt-in approximation, see EngineConfig
 
     @classmethod
     def full(cls, batch: int, length: int, device: torch.device | str | None = None) -> ForwardBatch:
         """`batch` sequences of `length` tokens each, from position 0, no cache."""
         positions = torch.arange(length, device=device).repeat(batch)
         return cls(positions=positions, q_lens=[length] * batch)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; the defaults may come from generation_config.json.
+
+    temperature 0 means greedy. top_k <= 0, top_p = 1 and min_p = 0 switch those filters off.
+    `logprobs` asks for the chosen token's log-probability plus that many top alternatives
+    (0 = the chosen token only, None = none). `seed` makes sampling reproducible per request.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> None:
+            raise ValueError(f"{name} = {getattr(self, name)!r}: {rule}")
+
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", "must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int):
+            bad("top_k", "must be an integer (<= 0 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", "must be in (0, 10]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
+            bad("logprobs", f"must be in [0, {self.MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_generation_config(cls, gen: dict | None, **overrides) -> SamplingParams:
+        """Defaults from a checkpoint's generation_config.json, then the caller's non-None overrides."""
+        gen = gen or {}
+        base = {}
+        if gen.get("do_sample") is False:
+            base["temperature"] = 0.0
+        else:
+            for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+                if isinstance(gen.get(key), (int, float)) and not isinstance(gen.get(key), bool):
+                    base[key] = gen[key]
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)

@@ -1,7 +1,27 @@
+import os
 import subprocess
 import sys
 
+import pytest
+from conftest import FIXTURES
+
 from m3lm.cli import main
+
+TINY = FIXTURES / "minimax-m3-tiny"
+needs_fixture = pytest.mark.skipif(not TINY.is_dir(), reason="no golden fixtures")
+
+
+def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "m3lm", *args],
+        input=stdin and stdin.encode(),
+        capture_output=True,
+        timeout=300,
+        env=env,
+    )
+    # Decoded without newline translation: generated text may contain a bare "\r".
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode())
 
 
 def test_list_prints_the_family(capsys):
@@ -12,5 +32,91 @@ def test_list_prints_the_family(capsys):
 
 
 def test_python_dash_m_works():
-    r = subprocess.run([sys.executable, "-m", "m3lm", "list"], capture_output=True, text=True, timeout=120)
+    r = cli("list")
     assert r.returncode == 0 and "MiniMaxM3" in r.stdout
+
+
+def test_bad_model_path_is_one_line():
+    r = cli("generate", "--model", "/does/not/exist", "--prompt", "hi")
+    assert r.returncode != 0
+    assert r.stderr.strip().count("\n") == 0 and "does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
+    v = cli("--verbose", "generate", "--model", "/does/not/exist", "--prompt", "hi")
+    assert v.returncode != 0 and "Traceback" in v.stderr
+
+
+@needs_fixture
+def test_generate_streams_text_and_stats():
+    import m3lm
+
+    model, tok = m3lm.load(TINY, device="cpu")
+    want = m3lm.generate(model, tok, "Once upon a time", max_tokens=20, temperature=0.0).text
+    r = cli(
+        "generate",
+        "--model",
+        str(TINY),
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "20",
+        "--temperature",
+        "0",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want + "\n"
+    assert "prompt:" in r.stderr and "tok/s" in r.stderr and "peak memory" in r.stderr
+
+
+@needs_fixture
+def test_generate_rejects_a_prompt_longer_than_the_context(tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(TINY, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["text_config"]["max_position_embeddings"] = 16
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    r = cli("generate", "--model", str(tmp_path / "m"), "--prompt", "word " * 40, "--max-tokens", "4")
+    assert r.returncode != 0 and "context" in r.stderr and r.stderr.strip().count("\n") == 0
+    r = cli(
+        "generate",
+        "--model",
+        str(TINY),
+        "--chat",
+        "--prompt",
+        "hi",
+        "--thinking-mode",
+        "enabled",
+        "--max-tokens",
+        "4",
+    )
+    assert r.returncode == 0, r.stderr
+
+
+@needs_fixture
+def test_chat_repl_keeps_history():
+    import m3lm
+
+    model, tok = m3lm.load(TINY, device="cpu")
+    first = m3lm.generate(
+        model, tok, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0.0
+    )
+    history = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "and then?"},
+    ]
+    second = m3lm.generate(model, tok, messages=history, max_tokens=8, temperature=0.0)
+    r = cli(
+        "chat",
+        "--model",
+        str(TINY),
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        stdin="hello\nand then?\n/exit\n",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{first.text}\n{second.text}\n"
+    assert r.stderr.count("generation:") == 2

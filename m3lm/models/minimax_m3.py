@@ -79,16 +79,30 @@ class Attention(nn.Module):
             ks, vs = k[rows], v[rows]
             if batch.kv is not None:
                 ks, vs = batch.kv.update(self.layer_idx, seq, ks, vs)  # [Tk, K, D]
-            block_ids = None
-            if self.sparse:
-                iks = ik[rows]
-                if batch.kv is not None:
-                    # Index keys join the cache before scoring, so a query sees its own key.
-                    iks = batch.kv.update_index(self.layer_idx, seq, iks)  # [Tk, Di]
-                block_ids = msa_select_ref(iq[rows], iks, pos, *self.msa)  # [K, n, k] or None
-            block_size = self.msa[0] if self.sparse else 0
-            outs.append(msa_attention_ref(q[rows], ks, vs, pos, self.scale, block_ids, block_size))
+            if not self.sparse:
+                outs.append(msa_attention_ref(q[rows], ks, vs, pos, self.scale))
+                continue
+            iks = ik[rows]
+            if batch.kv is not None:
+                # Index keys join the cache before scoring, so a query sees its own key.
+                iks = batch.kv.update_index(self.layer_idx, seq, iks)  # [Tk, Di]
+            outs.append(self._sparse(q[rows], ks, vs, pos, iq[rows], iks, batch.msa_dense_window))
         return self.o_proj(torch.cat(outs).flatten(1))  # [T, C]
+
+    def _sparse(self, q, k, v, pos, iq, ik, dense_window: float | None) -> torch.Tensor:
+        """MSA for one sequence; with the opt-in `dense_window` F, queries at t < F * topk * S attend densely."""
+        block_size, topk = self.msa[0], self.msa[1]
+        limit = int(dense_window * topk * block_size) if dense_window else 0
+        dense = pos < limit  # [n]
+        if bool(dense.all()):
+            return msa_attention_ref(q, k, v, pos, self.scale)
+        if bool(dense.any()):
+            out = torch.empty_like(q)
+            out[dense] = msa_attention_ref(q[dense], k, v, pos[dense], self.scale)
+            out[~dense] = self._sparse(q[~dense], k, v, pos[~dense], iq[~dense], ik, None)
+            return out
+        block_ids = msa_select_ref(iq, ik, pos, *self.msa)  # [K, n, k], or None when exactly dense
+        return msa_attention_ref(q, k, v, pos, self.scale, block_ids, block_size)
 
 
 class Experts(nn.Module):

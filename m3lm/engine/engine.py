@@ -1,0 +1,199 @@
+"""The engine loop: admit requests, schedule a step, run it, sample, detokenize, stop.
+
+`LLMEngine.step()` advances every running request by one scheduled chunk and returns what each
+request gained (new token ids and text) or that it finished. Everything that touches tensors is
+in the runner and the sampler; the scheduler and block manager are pure Python.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from m3lm.cache.block_manager import BlockManager
+from m3lm.cache.kv_cache import KVCache
+from m3lm.config import EngineConfig
+from m3lm.core import SamplingParams
+from m3lm.engine.runner import ModelRunner
+from m3lm.engine.sequence import Sequence, TokenLogprob
+from m3lm.models.minimax_m3 import MiniMaxM3
+from m3lm.sampler import Sampler, make_generator
+from m3lm.scheduler import Scheduler
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    seq: Sequence | None = None
+
+
+def eos_ids_of(tokenizer, generation_config: dict | None) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    eos = (generation_config or {}).get("eos_token_id")
+    ids.update([eos] if isinstance(eos, int) else eos or [])
+    return frozenset(ids)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: MiniMaxM3,
+        tokenizer=None,
+        config: EngineConfig | None = None,
+        generation_config: dict | None = None,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config = config or EngineConfig()
+        self.generation_config = (
+            generation_config if generation_config is not None else getattr(model, "generation_config", {})
+        )
+        args = model.args
+        weight = model.lm_head.weight
+        self.device = weight.device
+        per_page = KVCache.bytes_per_page(args, weight.dtype)
+        page = args.index_block_size
+        max_pos = args.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or max_pos, max_pos)
+        capacity = config.kv_cache_tokens
+        if capacity is None:
+            by_bytes = max(1, config.kv_cache_bytes // per_page) * page
+            capacity = min(config.max_num_seqs * self.max_model_len, by_bytes)
+        if config.max_model_len is None:
+            self.max_model_len = min(self.max_model_len, capacity)
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens, fewer than max_model_len = {self.max_model_len}; "
+                "lower max_model_len or give the cache more memory"
+            )
+        num_pages = -(-capacity // page)
+        self.cache = KVCache(args, num_pages, self.device, weight.dtype)
+        self.blocks = BlockManager(num_pages, page)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, config.msa_dense_window)
+        self.sampler = Sampler()
+        self.eos_ids = eos_ids_of(tokenizer, self.generation_config)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    def default_params(self, **overrides) -> SamplingParams:
+        return SamplingParams.from_generation_config(self.generation_config, **overrides)
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
+        """Queue a request; raises ValueError for an empty, too long or out-of-vocabulary prompt."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len} "
+                "(prompt plus at least one generated token)"
+            )
+        vocab = self.model.args.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        seq = Sequence(
+            seq_id=next(self._ids),
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
+            generator=make_generator(params.seed, self.device),
+        )
+        if self.tokenizer is not None:
+            from m3lm.tokenizer import IncrementalDetokenizer, StopStrings
+
+            seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+            if params.stop:
+                seq.stops = StopStrings(params.stop)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its pages (no-op when it is unknown or already done)."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        tables = [self.blocks.table(seq.seq_id) for seq, _ in plan]
+        ready, logits = self.runner.run(plan, tables)
+        if not ready:
+            return []
+        out = self.sampler(
+            logits,
+            [s.params for s in ready],
+            [s.prompt_ids for s in ready],
+            [s.output_ids for s in ready],
+            [s.generator for s in ready],
+        )
+        token_ids = out.token_ids.tolist()  # the one host transfer of the step
+        lps = _logprobs(out, ready, token_ids)
+        now = time.perf_counter()
+        results = []
+        for i, seq in enumerate(ready):
+            seq.first_token_time = seq.first_token_time or now
+            results.append(self._append(seq, token_ids[i], lps[i]))
+        return results
+
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> StepOutput:
+        p = seq.params
+        seq.output_ids.append(token)
+        res = StepOutput(seq.request_id, [token], seq=seq)
+        if lp is not None:
+            seq.logprobs.append(lp)
+            res.new_logprobs.append(lp)
+        stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids)
+        reason = "stop" if stop_token else "length" if len(seq.output_ids) >= seq.max_tokens else None
+        if seq.detok is not None:
+            text = "" if stop_token else seq.detok.add(token)
+            if reason is not None:
+                text += seq.detok.flush()
+            if seq.stops is not None:
+                text, hit = seq.stops.feed(text)
+                if hit:
+                    reason = "stop"
+                elif reason is not None:
+                    text += seq.stops.flush()
+            res.new_text = text
+            seq.text += text
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.requests.pop(seq.request_id, None)
+            res.finished, res.finish_reason = True, reason
+        return res
+
+
+def _logprobs(out, ready: list[Sequence], token_ids: list[int]) -> list[TokenLogprob | None]:
+    if out.logprobs is None:
+        return [None] * len(ready)
+    chosen = out.logprobs.tolist()
+    top_ids, top_lp = out.top_ids.tolist(), out.top_logprobs.tolist()
+    res = []
+    for i, seq in enumerate(ready):
+        k = seq.params.logprobs
+        if k is None:
+            res.append(None)
+            continue
+        res.append(
+            TokenLogprob(token_ids[i], chosen[i], list(zip(top_ids[i][:k], top_lp[i][:k], strict=True)))
+        )
+    return res

@@ -1,0 +1,150 @@
+"""The Python generation API: `generate` and `stream_generate`, in the style of mlx-lm."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from m3lm.config import EngineConfig
+from m3lm.core import SamplingParams
+from m3lm.engine.engine import LLMEngine
+from m3lm.engine.sequence import TokenLogprob
+from m3lm.models.minimax_m3 import MiniMaxM3
+
+
+@dataclass
+class GenerationChunk:
+    """One increment of a streamed generation."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # the generated ids only
+    finish_reason: str
+    prompt_tokens: int
+    generation_tokens: int
+    prompt_time: float  # seconds to the first generated token
+    generation_time: float  # seconds from the first to the last token
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_time if self.prompt_time > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        n = self.generation_tokens - 1
+        return n / self.generation_time if n > 0 and self.generation_time > 0 else 0.0
+
+
+def prompt_ids(
+    tokenizer,
+    prompt: str | Sequence[int] | None = None,
+    messages: list[dict] | None = None,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids from a text prompt, a list of ids, or chat messages through the chat template."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt and messages")
+    if messages is not None:
+        if tokenizer is None:
+            raise ValueError("messages need a tokenizer with a chat template")
+        return tokenizer.apply_chat_template(messages, tools=tools, **(chat_template_kwargs or {}))
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass a list of token ids instead")
+        return tokenizer.encode(prompt)
+    return [int(t) for t in prompt]
+
+
+def stream_generate(
+    model: MiniMaxM3,
+    tokenizer,
+    prompt: str | Sequence[int] | None = None,
+    *,
+    messages: list[dict] | None = None,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    sampling_params: SamplingParams | None = None,
+    msa_dense_window: float | None = None,
+    prefill_chunk_size: int = 2048,
+    **sampling: Any,
+) -> Iterator[GenerationChunk]:
+    """Yield text increments as they are decided. `sampling` takes SamplingParams fields
+    (max_tokens, temperature, top_p, top_k, min_p, penalties, seed, stop, stop_token_ids,
+    ignore_eos, logprobs); unset ones default to the checkpoint's generation_config.json."""
+    ids = prompt_ids(tokenizer, prompt, messages, tools, chat_template_kwargs)
+    gen_cfg = getattr(model, "generation_config", {})
+    params = sampling_params or SamplingParams.from_generation_config(gen_cfg, **sampling)
+    context = min(len(ids) + params.max_tokens, model.args.max_position_embeddings)
+    config = EngineConfig(
+        max_num_seqs=1,
+        max_model_len=context,
+        max_num_batched_tokens=prefill_chunk_size,
+        kv_cache_tokens=context,
+        msa_dense_window=msa_dense_window,
+    )
+    engine = LLMEngine(model, tokenizer, config, gen_cfg)
+    seq = engine.add_request(ids, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            yield GenerationChunk(
+                text=out.new_text,
+                token_ids=out.new_token_ids,
+                finish_reason=out.finish_reason,
+                logprobs=out.new_logprobs,
+                prompt_tokens=len(seq.prompt_ids),
+                generation_tokens=len(seq.output_ids),
+            )
+
+
+def generate(
+    model: MiniMaxM3,
+    tokenizer,
+    prompt: str | Sequence[int] | None = None,
+    **kwargs: Any,
+) -> GenerationResult:
+    """Generate to completion; same arguments as `stream_generate`."""
+    start = time.perf_counter()
+    first = None
+    text, ids, lps, reason, n_prompt = [], [], [], "length", 0
+    for chunk in stream_generate(model, tokenizer, prompt, **kwargs):
+        first = first or time.perf_counter()
+        text.append(chunk.text)
+        ids.extend(chunk.token_ids)
+        lps.extend(chunk.logprobs)
+        reason = chunk.finish_reason or reason
+        n_prompt = chunk.prompt_tokens
+    end = time.perf_counter()
+    return GenerationResult(
+        text="".join(text),
+        token_ids=ids,
+        finish_reason=reason,
+        prompt_tokens=n_prompt,
+        generation_tokens=len(ids),
+        prompt_time=(first or end) - start,
+        generation_time=end - (first or end),
+        logprobs=lps or None,
+    )
+
+
+def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
+    """Peak memory of this process: CUDA allocator peak on a GPU, max RSS on the CPU."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

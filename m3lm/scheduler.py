@@ -1,0 +1,82 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Pure Python over `BlockManager`, so every policy is testable on the CPU:
+- running sequences go first, oldest first: a decode needs one token, an unfinished prefill
+  the next chunk; then waiting sequences are admitted in arrival order while the step's token
+  budget (`max_num_batched_tokens`) and `max_num_seqs` allow, so long prompts are prefilled in
+  chunks and never stall running decodes;
+- when pages run out, the newest running sequence is preempted: its pages are freed and it
+  goes back to the front of the queue to be recomputed later, instead of failing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from m3lm.cache.block_manager import BlockManager
+from m3lm.engine.sequence import SeqStatus, Sequence
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """Sequences to run this step with their token counts (cache pages already allocated)."""
+        budget, plan = self.budget, []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_cached, budget)
+            while not self.blocks.ensure(seq.seq_id, seq.num_cached + n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SeqStatus.RUNNING:
+                plan.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_cached, budget)
+            if not self.blocks.ensure(seq.seq_id, seq.num_cached + n):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            plan.append((seq, n))
+            budget -= n
+        return plan
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's pages; it is recomputed (prompt + output so far) later."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_cached = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence wherever it is (running, waiting) and free its pages at once."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or reason

@@ -1,0 +1,232 @@
+"""The text side of generation: tokenizer loading, chat prompts, streaming detokenization, stop strings.
+
+Special-token strings typed in text: `Tokenizer.encode` parses them as special tokens, as other
+servers do for raw completion prompts, whose author writes the template markers by hand.
+`Tokenizer.apply_chat_template` encodes them as plain text when they come from messages, tools or
+template arguments, so only the markers the template writes itself become special tokens: a tool
+result or a pasted document cannot forge a turn boundary.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from m3lm.errors import CheckpointError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
+# Prompt tokens decoded ahead of the first output token, for decoders whose output depends on neighbours.
+PROMPT_CONTEXT = 4
+# After this many held-back tokens a trailing U+FFFD is taken for invalid bytes, not a character in progress.
+MAX_PENDING = 12
+# Tokens left behind such a forced boundary: 8 tokens of at least one byte each decode to at least 3
+# characters (a U+FFFD stands for at most 3 bytes), as the boundary check needs.
+CUT_TAIL = 8
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The tokenizer of a local checkpoint directory, or None when the directory ships no tokenizer files."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {path} is not a directory")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer  # imported here so that `import m3lm` stays fast
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its warnings concern config.json fields a tokenizer never uses
+    try:
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # corrupt files surface as JSON, tokenizers, OS and value errors alike
+        raise CheckpointError(f"cannot load the tokenizer in {path}: {_one_line(e)}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return Tokenizer(hf, _generation_eos_ids(path / "generation_config.json"))
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _generation_eos_ids(path: Path) -> list[int]:
+    """generation_config.json's eos_token_id (an int or a list of ints), which may add stop ids."""
+    if not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"cannot read {path}: {_one_line(e)}") from e
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return ids
+
+
+class Tokenizer:
+    """A loaded tokenizer with the few operations generation needs; token ids are plain lists of ints.
+
+    Use each instance from one thread: the underlying tokenizer switches per-call state while encoding.
+    """
+
+    def __init__(self, hf: Any, extra_eos_ids: Sequence[int] = ()) -> None:
+        self.hf = hf
+        self.bos_token_id: int | None = hf.bos_token_id
+        eos = {hf.eos_token_id} if hf.eos_token_id is not None else set()
+        self.eos_token_ids: frozenset[int] = frozenset(eos | set(extra_eos_ids))
+        self.vocab_size: int = len(hf)  # ids the tokenizer knows; the model may pad its embedding beyond this
+        self.has_chat_template: bool = bool(hf.chat_template)
+        # transformers lists only the named special tokens (bos, eos, ...), but decoding with
+        # skip_special_tokens drops every added token flagged special, such as <mm:think>.
+        flagged = {i for i, t in hf.added_tokens_decoder.items() if t.special}
+        self.all_special_ids: frozenset[int] = frozenset(hf.all_special_ids) | flagged
+        # Template arguments that would override apply_chat_template's own parameters are refused.
+        params = inspect.signature(hf.apply_chat_template).parameters
+        self._reserved = frozenset(params) - {"kwargs"} | {"messages"}
+
+    def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`, adding no BOS/EOS: prompts from the chat template already carry their own BOS.
+
+        parse_special=False encodes special-token strings as ordinary text.
+        """
+        return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=not parse_special))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids`, without the space clean-up that would make streamed and whole decodes differ."""
+        return self.hf.decode(
+            list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Prompt ids for a conversation; template_kwargs (thinking_mode="enabled", ...) reach the template.
+
+        The rendered text is tokenized without adding special tokens, so the template's own BOS is the
+        only one. Bad messages or arguments raise ValueError.
+        """
+        if not self.has_chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        if clash := sorted(self._reserved & template_kwargs.keys()):
+            raise ValueError(f"chat template arguments {clash} are not allowed")
+        import jinja2  # a dependency of transformers' chat templates
+
+        try:
+            ids = self.hf.apply_chat_template(
+                [dict(m) for m in messages],
+                tools=[dict(t) for t in tools] if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                sanitize_control_tokens=True,
+                **template_kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template: {_one_line(e)}") from e
+        return list(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text increments whose concatenation equals `decode(ids)`.
+
+    Each step decodes a short window only: the tokens emitted at the last step (context for decoders
+    whose output depends on neighbours) followed by the tokens not yet final. Text ending in U+FFFD is
+    held back, since the next token may complete the multi-byte character.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []  # the window: already emitted context, then the pending tokens
+        self._read = 0  # where the pending tokens start in the window
+        self._prefix_text = ""  # decode of the context
+        if prompt_ids:
+            context = list(prompt_ids[-PROMPT_CONTEXT:])
+            text = self._decode(context)
+            if not text.endswith(REPLACEMENT):  # a prompt ending mid-character is no usable context
+                self._ids, self._read, self._prefix_text = context, len(context), text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """The text that `token_id` makes final (often "", never half a character)."""
+        self._ids.append(token_id)
+        text = self._decode(self._ids)
+        if not text.endswith(REPLACEMENT):
+            return self._advance(len(self._ids), text)
+        if len(self._ids) - self._read > MAX_PENDING:
+            # Invalid bytes never resolve: without a boundary the window, and each step, would grow
+            # without bound. A cut is safe when splitting there changes no character and at least
+            # 3 characters (so 3 bytes) follow it, which decide any UTF-8 sequence open at the cut.
+            # Where no cut is safe the window keeps growing: slower, never wrong.
+            cut = len(self._ids) - CUT_TAIL
+            head, tail = self._decode(self._ids[:cut]), self._decode(self._ids[cut:])
+            if head + tail == text and len(tail) >= 3:
+                return self._advance(cut, head)
+        return ""
+
+    def _advance(self, end: int, text: str) -> str:
+        """Emit `text`, the window decoded up to `end`, past the context; those tokens become the context."""
+        out = text[len(self._prefix_text) :]
+        self._ids = self._ids[self._read :]
+        self._read = end - self._read
+        self._prefix_text = self._decode(self._ids[: self._read])
+        return out
+
+    def flush(self) -> str:
+        """Everything still held back (an unfinished character as U+FFFD); call it once, at the end."""
+        out = self._decode(self._ids)[len(self._prefix_text) :]
+        self._ids, self._read, self._prefix_text = [], 0, ""
+        return out
+
+
+class StopStrings:
+    """Cuts streamed text right before the first stop string, holding back what could still begin one.
+
+    The first stop string is the first one complete as the text arrives: the one that ends earliest,
+    and of those ending at the same character the one starting earliest. Deciding on the end lets
+    generation stop as soon as a stop string is complete, and makes the output independent of how
+    the text is split into increments. Empty stop strings are ignored.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stops if s))
+        self.matched: str | None = None  # the stop string that ended the text, once one has
+        self._prefixes = frozenset(s[:i] for s in self.stops for i in range(1, len(s)))
+        self._hold_max = max((len(s) for s in self.stops), default=1) - 1
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string was reached); after a stop, always ("", True)."""
+        if self.matched is not None:
+            return "", True
+        buf = self._held + text
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for s in self.stops:
+            start = buf.find(s)  # the first occurrence also ends first
+            if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
+                best = (start + len(s), start, s)
+        if best is not None:
+            self._held, self.matched = "", best[2]
+            return buf[: best[1]], True
+        # Hold back the longest tail that some stop string starts with; shorter tails are inside it.
+        keep = next((k for k in range(min(len(buf), self._hold_max), 0, -1) if buf[-k:] in self._prefixes), 0)
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        """The held-back text, once the stream has ended without reaching a stop string."""
+        out, self._held = self._held, ""
+        return out

@@ -1,0 +1,232 @@
+"""Generation through the paged caches: golden greedy decode, chunked prefill, batching, policies."""
+
+import pytest
+import torch
+from checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint
+from conftest import golden_params
+from safetensors.torch import load_file
+
+import m3lm
+from m3lm.config import EngineConfig
+from m3lm.engine.engine import LLMEngine
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random MSA + MoE checkpoint whose sparsity engages after 12 tokens (blocks of 4, top-3)."""
+    s = Spec()
+    path = write_checkpoint(
+        tmp_path_factory.mktemp("tiny"), to_release(hf_model(s, seed=21).state_dict(), s), release_config(s)
+    )
+    model, _ = m3lm.load(path, device="cpu", dtype=torch.float32)
+    return model
+
+
+def prompt(n: int, seed: int = 0, vocab: int = 96) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_engine(model, prompts, params, **config) -> dict[str, list[int]]:
+    engine = LLMEngine(model, None, EngineConfig(**config))
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    engine.blocks.check()
+    assert engine.blocks.num_free == engine.blocks.num_pages
+    return out
+
+
+@pytest.mark.parametrize("fixture", golden_params())
+@pytest.mark.parametrize("chunk", [2048, 1, 5, 8])
+def test_greedy_matches_golden(fixture, chunk):
+    model, _ = m3lm.load(fixture, device="cpu", dtype=torch.float32)
+    exp = load_file(fixture / "expected.safetensors")
+    want = exp["greedy.output_ids"]
+    res = m3lm.generate(
+        model,
+        None,
+        exp["greedy.input_ids"][0].tolist(),
+        max_tokens=len(want),
+        logprobs=0,
+        prefill_chunk_size=chunk,
+        **GREEDY,
+    )
+    assert res.token_ids == want.tolist()
+    assert res.finish_reason == "length" and res.generation_tokens == len(want)
+    ref = torch.log_softmax(exp["greedy.step_logits"], -1).gather(1, want[:, None])[:, 0]
+    got = torch.tensor([lp.logprob for lp in res.logprobs])
+    assert torch.allclose(got, ref, atol=1e-4)
+
+
+def test_decode_matches_full_forward(tiny):
+    """Token-by-token decode through the caches gives the logits of one full causal forward."""
+    p = prompt(30)
+    res = m3lm.generate(tiny, None, p, max_tokens=12, logprobs=0, **GREEDY)
+    with torch.inference_mode():
+        full = tiny(torch.tensor([p + res.token_ids[:-1]]))[0, len(p) - 1 :]
+    assert res.token_ids == full.argmax(-1).tolist()
+    lp = torch.log_softmax(full, -1).gather(1, torch.tensor(res.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([x.logprob for x in res.logprobs]), lp, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 7, 13])
+def test_chunked_prefill_matches_one_prefill(tiny, chunk):
+    p = prompt(41, seed=2)
+    one = run_engine(tiny, [p], m3lm.SamplingParams(max_tokens=8, **GREEDY))
+    assert (
+        run_engine(tiny, [p], m3lm.SamplingParams(max_tokens=8, **GREEDY), max_num_batched_tokens=chunk)
+        == one
+    )
+
+
+def test_batch_equals_each_alone(tiny):
+    a, b = prompt(37, seed=3), prompt(9, seed=4)
+    params = m3lm.SamplingParams(max_tokens=10, **GREEDY)
+    both = run_engine(tiny, [a, b], params, max_num_batched_tokens=16)
+    assert both["0"] == run_engine(tiny, [a], params)["0"]
+    assert both["1"] == run_engine(tiny, [b], params)["0"]
+
+
+def test_preemption_recomputes_the_same_tokens(tiny):
+    """With a cache too small for all requests, preempted sequences still produce the same output."""
+    prompts = [prompt(20, seed=i) for i in range(4)]
+    params = m3lm.SamplingParams(max_tokens=16, **GREEDY)
+    roomy = run_engine(tiny, prompts, params)
+    tight_engine = run_engine(tiny, prompts, params, kv_cache_tokens=64, max_model_len=40)
+    assert tight_engine == roomy
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(tiny):
+    params = m3lm.SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    p = prompt(15, seed=5)
+    alone = run_engine(tiny, [p], params)["0"]
+    assert run_engine(tiny, [p], params)["0"] == alone
+    crowd = run_engine(tiny, [prompt(22, seed=6), p], params)
+    assert crowd["1"] == alone
+
+
+def test_msa_dense_window_does_what_it_says(tiny):
+    """F = 2 keeps a sparse layer dense for t < 2 * topk * S (24 here) and exact MSA beyond."""
+    from m3lm.core import ForwardBatch
+    from m3lm.layers.rotary import rope_cos_sin
+
+    attn = tiny.model.layers[1].self_attn
+    assert attn.sparse
+    t = 40
+    x = torch.randn(t, tiny.args.hidden_size, generator=torch.Generator().manual_seed(0))
+    cos, sin = rope_cos_sin(torch.arange(t), tiny.args.rotary_dim, tiny.args.rope_theta)
+
+    def run(f):
+        with torch.inference_mode():
+            return attn(x, ForwardBatch(torch.arange(t), [t], msa_dense_window=f), cos, sin)
+
+    exact, dense, window = run(None), run(1e9), 2 * 3 * 4
+    approx = run(2.0)
+    assert torch.allclose(approx[:window], dense[:window], atol=1e-6)
+    assert torch.allclose(approx[window:], exact[window:], atol=1e-6)
+    # Between the exact dense window (12) and 24 it really is an approximation.
+    assert not torch.allclose(exact[12:window], dense[12:window], atol=1e-3)
+    assert torch.allclose(exact[:12], dense[:12], atol=1e-6)
+
+
+def test_engine_rejects_bad_prompts(tiny):
+    engine = LLMEngine(tiny, None, EngineConfig(max_model_len=32))
+    params = m3lm.SamplingParams(max_tokens=4)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], params)
+    with pytest.raises(ValueError, match="32"):
+        engine.add_request(prompt(32), params)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request([1, 96], params)
+    seq = engine.add_request(prompt(30), m3lm.SamplingParams(max_tokens=100, **GREEDY))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(seq.output_ids) == 2 and seq.finish_reason == "length"  # capped by the context
+
+
+def test_abort_frees_pages(tiny):
+    engine = LLMEngine(tiny, None, EngineConfig(max_num_batched_tokens=8))
+    engine.add_request(prompt(30), m3lm.SamplingParams(max_tokens=50), request_id="x")
+    engine.step()  # mid-prefill
+    assert engine.blocks.num_used > 0
+    engine.abort("x")
+    assert engine.blocks.num_free == engine.blocks.num_pages and not engine.has_unfinished()
+
+
+def first_new(tokens: list[int], start: int) -> int:
+    """Index of the first token at or after `start` that did not occur before it."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def test_stop_token_ids_and_eos(tiny):
+    p, free = next(
+        (p, f)
+        for p in (prompt(12, seed=s) for s in range(8, 40))
+        if len(set(f := m3lm.generate(tiny, None, p, max_tokens=8, **GREEDY).token_ids)) >= 3
+    )
+    j = first_new(free, 1)
+    res = m3lm.generate(tiny, None, p, max_tokens=8, temperature=0.0, stop_token_ids=[free[j]])
+    assert res.token_ids == free[: j + 1] and res.finish_reason == "stop"
+    tiny.generation_config = {"eos_token_id": [free[j]]}
+    try:
+        assert m3lm.generate(tiny, None, p, max_tokens=8, temperature=0.0).token_ids == free[: j + 1]
+        assert m3lm.generate(tiny, None, p, max_tokens=8, **GREEDY).token_ids == free  # ignore_eos
+    finally:
+        tiny.generation_config = {}
+
+
+@pytest.fixture(scope="module")
+def fixture_model():
+    from conftest import FIXTURES
+
+    path = FIXTURES / "minimax-m3-tiny"
+    if not path.is_dir():
+        pytest.skip("no golden fixtures")
+    return m3lm.load(path, device="cpu")
+
+
+def test_text_generation_and_stop_strings(fixture_model):
+    model, tok = fixture_model
+    assert tok is not None and model.generation_config["eos_token_id"] == 502
+    full = m3lm.generate(model, tok, "Once upon a time", max_tokens=40, **GREEDY)
+    assert full.text == tok.decode(full.token_ids, skip_special_tokens=True)
+    chunks = list(m3lm.stream_generate(model, tok, "Once upon a time", max_tokens=40, **GREEDY))
+    assert "".join(c.text for c in chunks) == full.text
+    # A stop string that spans tokens: the text ends right before it and it is never printed.
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    cut = full.text.index(stop)
+    res = m3lm.generate(model, tok, "Once upon a time", max_tokens=40, stop=[stop], **GREEDY)
+    assert res.text == full.text[:cut] and res.finish_reason == "stop"
+
+
+def test_chat_messages_use_the_template(fixture_model):
+    model, tok = fixture_model
+    messages = [{"role": "user", "content": "hello"}]
+    res = m3lm.generate(
+        model,
+        tok,
+        messages=messages,
+        chat_template_kwargs={"thinking_mode": "enabled"},
+        max_tokens=3,
+        **GREEDY,
+    )
+    ids = tok.apply_chat_template(messages, thinking_mode="enabled")
+    assert ids.count(tok.bos_token_id) == 1
+    assert res.prompt_tokens == len(ids)
+    assert res.token_ids == m3lm.generate(model, tok, ids, max_tokens=3, **GREEDY).token_ids
+
+
+def test_sampling_defaults_come_from_generation_config(fixture_model):
+    from m3lm.engine.engine import LLMEngine
+
+    model, tok = fixture_model
+    params = LLMEngine(model, tok, EngineConfig(max_model_len=64)).default_params(max_tokens=5)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (1.0, 0.95, 40, 5)
+    a = m3lm.generate(model, tok, "Once", max_tokens=12, seed=7, ignore_eos=True)
+    b = m3lm.generate(model, tok, "Once", max_tokens=12, seed=7, ignore_eos=True)
+    assert a.token_ids == b.token_ids and a.text == b.text

@@ -1,0 +1,132 @@
+"""Block manager and scheduler: scripted scenarios and invariants, no model involved."""
+
+import random
+
+import pytest
+
+from m3lm.cache.block_manager import BlockManager
+from m3lm.core import SamplingParams
+from m3lm.engine.sequence import SeqStatus, Sequence
+from m3lm.scheduler import Scheduler
+
+
+def make_seq(i: int, prompt: int, max_tokens: int) -> Sequence:
+    return Sequence(i, f"r{i}", [1] * prompt, SamplingParams(max_tokens=max_tokens), max_tokens)
+
+
+def simulate_step(sched: Scheduler, plan) -> list[Sequence]:
+    """What the engine does after a forward: advance the cache, sample for ready sequences."""
+    done = []
+    for seq, n in plan:
+        seq.num_cached += n
+        assert seq.num_cached <= seq.num_tokens
+        if seq.num_cached == seq.num_tokens:
+            seq.output_ids.append(7)
+            if len(seq.output_ids) >= seq.max_tokens:
+                sched.finish(seq, "length")
+                done.append(seq)
+    return done
+
+
+def test_block_manager_all_or_nothing():
+    bm = BlockManager(num_pages=4, page_size=4)
+    assert bm.ensure(1, 9) and bm.table(1) == [0, 1, 2]
+    assert not bm.ensure(2, 8)  # needs 2 pages, 1 free: nothing allocated
+    assert bm.table(2) == [] and bm.num_free == 1
+    assert bm.ensure(1, 12) and bm.num_free == 1  # already has room
+    bm.free(1)
+    assert bm.num_free == 4
+    bm.check()
+
+
+def test_chunked_prefill_respects_budget_and_decodes_keep_running():
+    bm = BlockManager(num_pages=64, page_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16)
+    short = make_seq(0, 3, 10)
+    sched.add(short)
+    simulate_step(sched, sched.schedule())  # short is now decoding
+    long = make_seq(1, 50, 2)
+    sched.add(long)
+    chunks = []
+    while not long.output_ids:
+        plan = sched.schedule()
+        sizes = {s.request_id: n for s, n in plan}
+        assert sum(sizes.values()) <= 16
+        assert sizes.get("r0") == 1  # the running decode is never stalled by the long prefill
+        chunks.append(sizes["r1"])
+        simulate_step(sched, plan)
+    assert chunks == [15, 15, 15, 5]
+
+
+def test_max_num_seqs_limits_running():
+    bm = BlockManager(num_pages=100, page_size=4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(5):
+        sched.add(make_seq(i, 4, 3))
+    plan = sched.schedule()
+    assert [s.request_id for s, _ in plan] == ["r0", "r1"]
+    assert len(sched.running) == 2 and len(sched.waiting) == 3
+
+
+def test_preemption_takes_the_newest_and_recomputes():
+    bm = BlockManager(num_pages=6, page_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = make_seq(0, 8, 100), make_seq(1, 8, 100)  # 2 pages each for the prompt
+    sched.add(a)
+    sched.add(b)
+    simulate_step(sched, sched.schedule())
+    for _ in range(8):  # both decode until the 6 pages cannot hold both
+        simulate_step(sched, sched.schedule())
+    assert b.status is SeqStatus.WAITING and b.num_preemptions >= 1 and b.num_cached == 0
+    assert a.status is SeqStatus.RUNNING
+    assert sched.waiting[0] is b  # back at the front of the queue
+    assert len(b.output_ids) > 0  # generated tokens are kept and recomputed later
+    bm.check()
+
+
+def test_finish_frees_pages_at_once_and_abort_while_waiting():
+    bm = BlockManager(num_pages=10, page_size=4)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64)
+    a, b = make_seq(0, 9, 5), make_seq(1, 4, 5)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    assert bm.num_free == 7
+    sched.finish(a, "abort")
+    assert bm.num_free == 10 and a.finish_reason == "abort" and not sched.running
+    sched.finish(b, "abort")
+    assert not sched.waiting and not sched.has_work()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_load_invariants(seed):
+    rng = random.Random(seed)
+    pages, page = rng.randint(12, 40), rng.choice([2, 4, 8])
+    budget = rng.randint(8, 64)
+    bm = BlockManager(pages, page)
+    sched = Scheduler(bm, max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=budget)
+    capacity = pages * page
+    seqs = []
+    for i in range(rng.randint(5, 20)):
+        prompt = rng.randint(1, capacity // 2)
+        seqs.append(make_seq(i, prompt, rng.randint(1, capacity - prompt)))
+    pending = list(seqs)
+    for _ in range(20000):
+        if pending and rng.random() < 0.3:
+            sched.add(pending.pop(0))
+        if rng.random() < 0.02 and sched.running:
+            sched.finish(rng.choice(sched.running), "abort")
+        plan = sched.schedule()
+        assert sum(n for _, n in plan) <= budget
+        assert len(sched.running) <= sched.max_num_seqs
+        assert len({s.seq_id for s, _ in plan}) == len(plan)
+        for s, n in plan:
+            assert len(bm.table(s.seq_id)) * page >= s.num_cached + n
+        simulate_step(sched, plan)
+        bm.check()
+        if not pending and not sched.has_work():
+            break
+    else:
+        pytest.fail("requests starved")
+    assert all(s.finished for s in seqs)
+    assert bm.num_free == pages
