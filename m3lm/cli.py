@@ -130,6 +130,31 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    from m3lm.server.app import serve
+    from m3lm.server.protocol import Limits
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("M3LM_API_KEY") or None,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        limits=Limits(max_queue=args.max_queue),
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        msa_dense_window=args.msa_dense_window,
+    )
+    return 0
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -164,7 +189,23 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat that keeps history")
     _model_args(chat)
     chat.set_defaults(func=cmd_chat)
-    for p in (gen, chat):
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("--model", required=True, help="checkpoint directory")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="required Bearer token (or set M3LM_API_KEY)")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--device", default=None)
+    srv.add_argument("--dtype", default=None)
+    srv.add_argument("--max-num-seqs", type=int, default=64)
+    srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    srv.add_argument(
+        "--max-queue", type=int, default=256, help="waiting requests beyond which new ones get 503"
+    )
+    srv.add_argument("--msa-dense-window", type=float, default=None, metavar="F")
+    srv.set_defaults(func=cmd_serve)
+    for p in (gen, chat, srv):
         p.add_argument(
             "--verbose", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"
         )

@@ -11,6 +11,7 @@ Pure Python over `BlockManager`, so every policy is testable on the CPU:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from m3lm.cache.block_manager import BlockManager
@@ -55,6 +56,7 @@ class Scheduler:
             if not self.blocks.ensure(seq.seq_id, seq.num_cached + n):
                 break
             self.waiting.popleft()
+            seq.first_scheduled_time = seq.first_scheduled_time or time.perf_counter()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             plan.append((seq, n))

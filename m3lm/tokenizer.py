@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,8 @@ def _generation_eos_ids(path: Path) -> list[int]:
 class Tokenizer:
     """A loaded tokenizer with the few operations generation needs; token ids are plain lists of ints.
 
-    Use each instance from one thread: the underlying tokenizer switches per-call state while encoding.
+    Safe to share between threads (the server encodes while the engine decodes): the underlying
+    tokenizer switches per-call state while encoding, so every call holds one lock.
     """
 
     def __init__(self, hf: Any, extra_eos_ids: Sequence[int] = ()) -> None:
@@ -88,19 +90,24 @@ class Tokenizer:
         # Template arguments that would override apply_chat_template's own parameters are refused.
         params = inspect.signature(hf.apply_chat_template).parameters
         self._reserved = frozenset(params) - {"kwargs"} | {"messages"}
+        self._lock = threading.RLock()
 
     def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
         """Token ids of `text`, adding no BOS/EOS: prompts from the chat template already carry their own BOS.
 
         parse_special=False encodes special-token strings as ordinary text.
         """
-        return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=not parse_special))
+        with self._lock:
+            return list(
+                self.hf.encode(text, add_special_tokens=False, split_special_tokens=not parse_special)
+            )
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`, without the space clean-up that would make streamed and whole decodes differ."""
-        return self.hf.decode(
-            list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        with self._lock:
+            return self.hf.decode(
+                list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+            )
 
     def apply_chat_template(
         self,
@@ -121,15 +128,16 @@ class Tokenizer:
         import jinja2  # a dependency of transformers' chat templates
 
         try:
-            ids = self.hf.apply_chat_template(
-                [dict(m) for m in messages],
-                tools=[dict(t) for t in tools] if tools else None,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-                sanitize_control_tokens=True,
-                **template_kwargs,
-            )
+            with self._lock:
+                ids = self.hf.apply_chat_template(
+                    [dict(m) for m in messages],
+                    tools=[dict(t) for t in tools] if tools else None,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=True,
+                    return_dict=False,
+                    sanitize_control_tokens=True,
+                    **template_kwargs,
+                )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {_one_line(e)}") from e
         return list(ids)

@@ -260,3 +260,66 @@ def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict,
         weight_map.update(dict.fromkeys(part, fname))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return path
+
+
+M3_SPECIALS = [
+    "]~!b[",
+    "]~b]",
+    "[e~[",
+    "<mm:think>",
+    "</mm:think>",
+    "]<]minimax[>[",
+    "<tool_call>",
+    "</tool_call>",
+]
+# An M3-style chat template: own BOS, turns ending in EOS, thinking_mode choosing the prompt's end,
+# tools listed in a system turn, assistant tool calls written back in the namespaced XML.
+M3_TEMPLATE = (
+    "{%- set ns_tok = ']<]minimax[>[' -%}{%- set mode = thinking_mode | default('adaptive') -%}"
+    "{{- ']~!b[' -}}"
+    "{%- if tools -%}{{- ']~b]system\\n' -}}{%- for t in tools -%}{{- (t | tojson) ~ '\\n' -}}{%- endfor -%}"
+    "{{- '[e~[\\n' -}}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{{- ']~b]' ~ ('ai' if m.role == 'assistant' else m.role) ~ '\\n' ~ (m.content or '') -}}"
+    "{%- if m.tool_calls -%}{{- ns_tok ~ '<tool_call>' -}}{%- for c in m.tool_calls -%}"
+    "{{- ns_tok ~ '<invoke name=\"' ~ c.function.name ~ '\">' -}}"
+    "{%- for k, v in c.function.arguments.items() -%}{{- ns_tok ~ '<' ~ k ~ '>' ~ v ~ ns_tok ~ '</' ~ k ~ '>' -}}{%- endfor -%}"
+    "{{- ns_tok ~ '</invoke>' -}}{%- endfor -%}{{- ns_tok ~ '</tool_call>' -}}{%- endif -%}"
+    "{{- '[e~[\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- ']~b]ai\\n' -}}"
+    "{%- if mode == 'enabled' -%}{{- '<mm:think>' -}}{%- elif mode == 'disabled' -%}{{- '</mm:think>' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def write_m3_tokenizer(path: Path, vocab_size: int = 384) -> int:
+    """A small byte-level BPE with the M3 special tokens and chat template; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=M3_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [
+        "once upon a time there was a little fox who liked to play in the sun. " * 3,
+        "the weather in paris is sunny today",
+    ]
+    tok.train_from_iterator(corpus * 8, trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "]~!b[",
+        "eos_token": "[e~[",
+        "chat_template": M3_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": tok.token_to_id("[e~["), "temperature": 1.0})
+    )
+    return tok.get_vocab_size()

@@ -84,14 +84,8 @@ class LLMEngine:
     def default_params(self, **overrides) -> SamplingParams:
         return SamplingParams.from_generation_config(self.generation_config, **overrides)
 
-    def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> Sequence:
-        """Queue a request; raises ValueError for an empty, too long or out-of-vocabulary prompt."""
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = [int(t) for t in prompt_ids]
+    def validate(self, prompt_ids: list[int]) -> None:
+        """Raise ValueError for an empty, too long or out-of-vocabulary prompt (reads no engine state)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -103,6 +97,16 @@ class LLMEngine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
+        """Queue a request; raises ValueError for an empty, too long or out-of-vocabulary prompt."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.validate(prompt_ids)
         seq = Sequence(
             seq_id=next(self._ids),
             request_id=request_id,
@@ -151,8 +155,19 @@ class LLMEngine:
         results = []
         for i, seq in enumerate(ready):
             seq.first_token_time = seq.first_token_time or now
-            results.append(self._append(seq, token_ids[i], lps[i]))
+            seq.last_token_time = now
+            try:
+                results.append(self._append(seq, token_ids[i], lps[i]))
+            except Exception as e:  # a fault in one request's text handling ends that request only
+                results.append(self.fail(seq, f"{type(e).__name__}: {e}"))
         return results
+
+    def fail(self, seq: Sequence, message: str) -> StepOutput:
+        """End one request with finish_reason "error"; the others go on."""
+        seq.error = message
+        self.scheduler.finish(seq, "error")
+        self.requests.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, finished=True, finish_reason="error", seq=seq)
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> StepOutput:
         p = seq.params

@@ -40,7 +40,9 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text: str = ""  # emitted text so far (stop strings removed)
     arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     num_preemptions: int = 0
     detok: object = None  # IncrementalDetokenizer, when a tokenizer is present
     stops: object = None  # StopStrings, when the request has stop strings

@@ -1,0 +1,112 @@
+"""Offline batched generation in the style of vLLM: `LLM(model_dir).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from m3lm.config import EngineConfig
+from m3lm.core import SamplingParams
+from m3lm.engine.engine import LLMEngine
+from m3lm.engine.sequence import TokenLogprob
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+
+class LLM:
+    """Loads a checkpoint once and runs many prompts through one continuous-batching engine."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        **engine_kwargs: Any,
+    ):
+        import m3lm
+
+        self.model, self.tokenizer = m3lm.load(model, device=device, dtype=dtype)
+        self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**engine_kwargs))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_params()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Text prompts or lists of token ids; outputs come back in the order of the prompts."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        ids = [self._encode(p) for p in prompts]
+        return self._run(texts, ids, sampling_params)
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation or a list of them, each through the checkpoint's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a checkpoint with a tokenizer")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [
+            self.tokenizer.apply_chat_template(list(c), tools=tools, **(chat_template_kwargs or {}))
+            for c in conversations
+        ]
+        return self._run([None] * len(ids), ids, sampling_params)
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a checkpoint with a tokenizer")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _run(self, texts, ids, sampling_params) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or self.get_default_sampling_params()] * len(ids)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(ids):
+                raise ValueError(f"{len(params)} sampling params for {len(ids)} prompts")
+        for p in ids:
+            self.engine.validate(p)
+        seqs = [self.engine.add_request(p, sp) for p, sp in zip(ids, params, strict=True)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [
+            RequestOutput(
+                request_id=s.request_id,
+                prompt=t,
+                prompt_token_ids=s.prompt_ids,
+                outputs=[
+                    CompletionOutput(0, s.text, list(s.output_ids), s.finish_reason, s.logprobs or None)
+                ],
+            )
+            for t, s in zip(texts, seqs, strict=True)
+        ]

@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: request protocol, app, and the reply parsers (reasoning, tool calls)."""

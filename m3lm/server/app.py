@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes, auth, limits, errors, and `serve`.
+
+Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /tokenize,
+/detokenize. Every error is an OpenAI error object with a truthful status. The API key guards
+every route but /health and is compared in constant time. Model compute runs on the engine
+thread; the event loop only parses, routes and streams.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from m3lm.engine.async_engine import AsyncEngine
+from m3lm.server.handlers import ApiError, ServerState, chat_completion, completion
+from m3lm.server.metrics import Metrics
+from m3lm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Limits,
+    TokenizeRequest,
+    error_body,
+)
+from m3lm.server.reasoning import ReplyFormat
+
+log = logging.getLogger("m3lm.server")
+
+
+class BodyLimit:
+    """Pure ASGI middleware: read at most `limit` request-body bytes, else answer 413."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await _send_error(send, 413, f"request body over {self.limit} bytes")
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return await _send_error(send, 413, f"request body over {self.limit} bytes")
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+async def _send_error(send, status: int, message: str) -> None:
+    resp = JSONResponse(error_body(message, "invalid_request_error", code=status), status)
+    await send({"type": "http.response.start", "status": status, "headers": resp.raw_headers})
+    await send({"type": "http.response.body", "body": resp.body})
+
+
+def build_app(
+    engine: AsyncEngine,
+    tokenizer,
+    model_name: str,
+    api_key: str | None = None,
+    limits: Limits | None = None,
+    metrics: Metrics | None = None,
+) -> FastAPI:
+    limits = limits or Limits()
+    metrics = metrics or Metrics(model_name)
+    fmt = None
+    if tokenizer is not None:
+        try:
+            fmt = ReplyFormat.from_tokenizer(tokenizer.hf)
+        except ValueError:
+            log.info("the tokenizer has no reasoning/tool-call markers: replies are plain content")
+    state = ServerState(engine, tokenizer, model_name, limits, metrics, engine.engine.default_params(), fmt)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        state.draining = True
+        engine.stop()
+
+    app = FastAPI(title="m3lm", version="0.1.0", lifespan=lifespan)
+    app.state.m3lm = state
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return JSONResponse(
+                    error_body("invalid or missing API key", "authentication_error", code=401), 401
+                )
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
+        return JSONResponse(error_body(msg, param=loc or None, code=400), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(str(e.detail), kind, code=e.status_code), e.status_code, headers=e.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception):
+        log.exception("internal error")
+        return JSONResponse(
+            error_body(f"internal error: {type(e).__name__}", "internal_error", code=500), 500
+        )
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist (this server serves {model_name!r})",
+                "not_found_error",
+            )
+
+    @app.get("/health")
+    async def health():
+        if engine.alive and not state.draining:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unhealthy", "error": engine.error}, 503)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "m3lm",
+            "max_model_len": state.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        check_model(req.model)
+        req.warn_unknown()
+        return await chat_completion(state, req, request)
+
+    @app.post("/v1/completions")
+    async def complete(req: CompletionRequest, request: Request):
+        check_model(req.model)
+        req.warn_unknown()
+        return await completion(state, req, request)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        check_model(req.model)
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer")
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages")
+        try:
+            if req.messages is not None:
+                msgs = [m.for_template() for m in req.messages]
+                ids = await run_in_threadpool(
+                    tokenizer.apply_chat_template, msgs, None, True, **(req.chat_template_kwargs or {})
+                )
+            else:
+                ids = await run_in_threadpool(tokenizer.encode, req.prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer")
+        vocab = engine.engine.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab})")
+        return {"prompt": await run_in_threadpool(tokenizer.decode, req.tokens)}
+
+    return app
+
+
+def create_server_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None, limits: Limits):
+    """The ASGI app as served: the FastAPI app behind the body-size limit."""
+    metrics = Metrics(model_name)
+    engine.observer = metrics.observe_step
+    return BodyLimit(
+        build_app(engine, tokenizer, model_name, api_key, limits, metrics), limits.max_body_bytes
+    )
+
+
+def serve(
+    model_dir: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    grace_s: float = 30.0,
+    limits: Limits | None = None,
+    **engine_kwargs,
+) -> None:
+    """Load the model, start the engine thread and run uvicorn until SIGINT/SIGTERM."""
+    import uvicorn
+
+    import m3lm
+    from m3lm.config import EngineConfig
+    from m3lm.engine.engine import LLMEngine
+
+    model, tokenizer = m3lm.load(model_dir, device=device, dtype=dtype)
+    engine = AsyncEngine(
+        LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs)), (limits or Limits()).max_queue
+    ).start()
+    name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
+    app = create_server_app(engine, tokenizer, name, api_key, limits or Limits())
+    log.info("serving %s on http://%s:%d", name, host, port)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        timeout_graceful_shutdown=grace_s,
+        log_level="info",
+        h11_max_incomplete_event_size=64 * 1024,
+    )

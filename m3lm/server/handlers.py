@@ -1,0 +1,449 @@
+"""Chat and text completions: admission, then streamed (SSE) or whole responses.
+
+Admission (validation, the queue) is decided before any response header is sent, so a stream
+never starts with 200 and then fails for capacity. Reasoning and tool calls are split from the
+answer on token ids (`ReplyParser`); in chat, stop strings apply to the answer only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from m3lm.core import SamplingParams
+from m3lm.engine.async_engine import AsyncEngine, EngineDead, QueueFull, RequestStream
+from m3lm.engine.engine import StepOutput
+from m3lm.server.metrics import Metrics
+from m3lm.server.parsers import finish_reason, plan_tool_choice, template_messages
+from m3lm.server.protocol import ChatCompletionRequest, CompletionRequest, Limits, error_body
+from m3lm.server.reasoning import ReplyFormat, ReplyParser, detect_thinking_mode, to_openai_delta
+from m3lm.server.tools import ContentDelta
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", headers: dict | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.headers = status, message, type_, headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            error_body(self.message, self.type, code=self.status), self.status, headers=self.headers
+        )
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any
+    model_name: str
+    limits: Limits
+    metrics: Metrics
+    defaults: SamplingParams
+    fmt: ReplyFormat | None = None
+    draining: bool = False
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+
+def submit(state: ServerState, prompt_ids: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
+    """Admit n samples of one prompt, or none of them."""
+    if state.draining:
+        raise ApiError(503, "the server is shutting down", "service_unavailable", {"Retry-After": "5"})
+    streams: list[RequestStream] = []
+    try:
+        for i in range(n):
+            p = params if n == 1 or params.seed is None else _with_seed(params, params.seed + i)
+            streams.append(state.engine.add(prompt_ids, p))
+    except QueueFull as e:
+        state.metrics.rejections.labels(state.model_name).inc()
+        _abort(streams)
+        raise ApiError(503, str(e), "service_unavailable", {"Retry-After": "1"}) from None
+    except EngineDead as e:
+        _abort(streams)
+        raise ApiError(503, f"the engine has stopped: {e}", "service_unavailable") from None
+    except ValueError as e:
+        _abort(streams)
+        raise ApiError(400, str(e)) from None
+    return streams
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)
+
+
+def _abort(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.abort()
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StepOutput]]:
+    """Outputs of several streams as (index, output), in arrival order; closing aborts them all."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                await q.put((i, out))
+        except BaseException as e:
+            await q.put((i, e))
+        finally:
+            await q.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    live = len(tasks)
+    try:
+        while live:
+            i, item = await q.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        _abort(streams)
+
+
+@dataclass
+class Choice:
+    """Text state of one choice: reply parsing, answer-only stop strings, logprobs."""
+
+    index: int
+    parser: ReplyParser | None
+    stops: Any = None
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+    finish: str | None = None
+    stopped_by_string: bool = False
+
+    def consume(self, out: StepOutput) -> list[dict]:
+        """Deltas for one engine output (each delta is one kind only)."""
+        self.tokens += len(out.new_token_ids)
+        if self.parser is None:
+            events: list = [ContentDelta(out.new_text)] if out.new_text else []
+        else:
+            events = []
+            for j, tid in enumerate(out.new_token_ids):
+                events += self.parser.feed(tid, out.new_text if j == len(out.new_token_ids) - 1 else "")
+            if out.finished:
+                events += self.parser.finish()
+        deltas = []
+        for ev in events:
+            if isinstance(ev, ContentDelta) and self.stops is not None:
+                text, hit = self.stops.feed(ev.text)
+                if hit:
+                    self.stopped_by_string = True
+                if text:
+                    deltas.append(self._content(text))
+                if hit:
+                    break
+                continue
+            deltas.append(self._delta(ev))
+        if (
+            out.finished
+            and self.stops is not None
+            and not self.stopped_by_string
+            and (rest := self.stops.flush())
+        ):
+            deltas.append(self._content(rest))
+        if self.stopped_by_string:
+            self.finish = "stop"
+        elif out.finished:
+            self.finish = finish_reason(
+                self.parser.tool_calls if self.parser else [], out.finish_reason or "stop"
+            )
+        return deltas
+
+    def _content(self, text: str) -> dict:
+        self.content.append(text)
+        return {"content": text}
+
+    def _delta(self, ev) -> dict:
+        d = to_openai_delta(ev)
+        if "content" in d:
+            self.content.append(d["content"])
+        elif "reasoning" in d:
+            self.reasoning.append(d["reasoning"])
+        return d
+
+    def message(self) -> dict:
+        calls = self.parser.tool_calls if self.parser else []
+        msg: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self.content) or (None if calls else ""),
+        }
+        if self.reasoning:
+            msg["reasoning_content"] = msg["reasoning"] = "".join(self.reasoning)
+        if calls:
+            msg["tool_calls"] = [c.to_openai() for c in calls]
+        return msg
+
+
+def _token_logprobs(tokenizer, out: StepOutput) -> list[dict]:
+    def entry(tid: int, lp: float) -> dict:
+        text = tokenizer.decode([tid]) if tokenizer is not None else str(tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return [
+        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in out.new_logprobs
+    ]
+
+
+async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+    tok = state.tokenizer
+    if tok is None or not tok.has_chat_template:
+        raise ApiError(400, "this model has no chat template; use /v1/completions")
+    try:
+        req.check_limits(state.limits)
+        plan = plan_tool_choice(
+            [t.model_dump(exclude_none=True) for t in req.tools or []],
+            req.tool_choice,
+            req.parallel_tool_calls,
+        )
+        messages = template_messages([m.for_template() for m in req.messages])
+        tools = (
+            [t.model_dump(exclude_none=True) for t in req.tools]
+            if req.tools and req.tool_choice != "none"
+            else None
+        )
+        kwargs = dict(req.chat_template_kwargs or {})
+        prompt_ids = await run_in_threadpool(tok.apply_chat_template, messages, tools, True, **kwargs)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = req.sampling(state.defaults, max_tokens, req.requested_logprobs(), [])
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    streams = submit(state, prompt_ids, params, req.n)
+    mode = detect_thinking_mode(prompt_ids, state.fmt.reasoning) if state.fmt else None
+    from m3lm.tokenizer import StopStrings
+
+    stops = req.stops()
+    tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    choices = [
+        Choice(
+            i,
+            ReplyParser(state.fmt, mode, tool_dicts, plan) if state.fmt else None,
+            StopStrings(stops) if stops else None,
+        )
+        for i in range(req.n)
+    ]
+    return await _respond(state, req, request, streams, choices, len(prompt_ids), chat=True)
+
+
+async def completion(state: ServerState, req: CompletionRequest, request: Request):
+    tok = state.tokenizer
+    try:
+        req.check_limits(state.limits)
+        prompts = req.prompts()
+        if len(prompts) * req.n > state.limits.max_n:
+            raise ValueError(
+                f"{len(prompts)} prompts x n = {req.n} exceed the limit of {state.limits.max_n} choices"
+            )
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                if tok is None:
+                    raise ValueError("this model has no tokenizer; send token ids")
+                p = await run_in_threadpool(tok.encode, p)
+            ids.append(list(p))
+        params = req.sampling(state.defaults, req.max_tokens or 16, req.logprobs, req.stops())
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    streams: list[RequestStream] = []
+    try:
+        for p in ids:
+            streams += submit(state, p, params, req.n)
+    except ApiError:
+        _abort(streams)
+        raise
+    choices = [Choice(i, None) for i in range(len(streams))]
+    return await _respond(state, req, request, streams, choices, sum(len(p) for p in ids), chat=False)
+
+
+async def _respond(state, req, request, streams, choices, prompt_tokens, chat: bool):
+    rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    created = int(time.time())
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = _stream(state, rid, created, streams, choices, prompt_tokens, chat, include_usage)
+        return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    task = asyncio.ensure_future(_collect(state, streams, choices))
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            _abort(streams)
+            raise ApiError(499, "client disconnected")
+    task.result()
+    usage = _usage(prompt_tokens, choices)
+    if chat:
+        body = [
+            {
+                "index": c.index,
+                "message": c.message(),
+                "logprobs": {"content": c.logprobs} if c.logprobs else None,
+                "finish_reason": c.finish,
+            }
+            for c in choices
+        ]
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": body,
+            "usage": usage,
+        }
+    body = [
+        {
+            "index": c.index,
+            "text": "".join(c.content),
+            "logprobs": _completion_logprobs(c),
+            "finish_reason": c.finish,
+        }
+        for c in choices
+    ]
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": state.model_name,
+        "choices": body,
+        "usage": usage,
+    }
+
+
+def _usage(prompt_tokens: int, choices: list[Choice]) -> dict:
+    completion = sum(c.tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+def _completion_logprobs(c: Choice) -> dict | None:
+    if not c.logprobs:
+        return None
+    return {
+        "tokens": [e["token"] for e in c.logprobs],
+        "token_logprobs": [e["logprob"] for e in c.logprobs],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in c.logprobs],
+    }
+
+
+async def _collect(state: ServerState, streams: list[RequestStream], choices: list[Choice]) -> None:
+    try:
+        async for i, out in merge(streams):
+            _check(out)
+            c = choices[i]
+            c.consume(out)
+            if state.tokenizer is not None and out.new_logprobs:
+                c.logprobs += _token_logprobs(state.tokenizer, out)
+            if c.stopped_by_string:
+                streams[i].abort()
+                streams[i].finished = True
+    except EngineDead as e:
+        raise ApiError(500, f"the engine stopped: {e}", "internal_error") from None
+    for c in choices:
+        c.finish = c.finish or "abort"
+
+
+def _check(out: StepOutput) -> None:
+    if out.finish_reason == "error":
+        detail = out.seq.error if out.seq is not None else "unknown error"
+        raise ApiError(500, f"generation failed: {detail}", "internal_error")
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(
+    state, rid, created, streams, choices, prompt_tokens, chat, include_usage
+) -> AsyncIterator[str]:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(index: int, payload: dict, finish: str | None = None) -> str:
+        body = {"index": index, **payload, "logprobs": payload.pop("logprobs", None), "finish_reason": finish}
+        return _sse(
+            {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": state.model_name,
+                "choices": [body],
+                "usage": None,
+            }
+        )
+
+    if chat:
+        for c in choices:
+            yield chunk(c.index, {"delta": {"role": "assistant", "content": ""}})
+    events = merge(streams)
+    keepalive = state.limits.keepalive_s
+    try:
+        while True:
+            try:
+                i, out = await asyncio.wait_for(anext(events), keepalive)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                yield ": keep-alive\n\n"
+                continue
+            c = choices[i]
+            if c.finish is not None:
+                continue
+            _check(out)
+            lps = _token_logprobs(state.tokenizer, out) if out.new_logprobs else []
+            deltas = c.consume(out)
+            if lps and not deltas:
+                deltas = [{}] if chat else [{"content": ""}]
+            for j, d in enumerate(deltas):
+                extra = {}
+                if lps and j == 0:
+                    extra["logprobs"] = (
+                        {"content": lps} if chat else _completion_logprobs(Choice(0, None, logprobs=lps))
+                    )
+                yield chunk(i, {"delta": d, **extra} if chat else {"text": d.get("content", ""), **extra})
+            if c.stopped_by_string:
+                streams[i].abort()
+            if c.finish is not None:
+                yield chunk(i, {"delta": {}} if chat else {"text": ""}, c.finish)
+        if include_usage:
+            yield _sse(
+                {
+                    "id": rid,
+                    "object": kind,
+                    "created": created,
+                    "model": state.model_name,
+                    "choices": [],
+                    "usage": _usage(prompt_tokens, choices),
+                }
+            )
+    except ApiError as e:
+        yield _sse(error_body(e.message, e.type, code=e.status))
+    except EngineDead as e:
+        yield _sse(error_body(f"the engine stopped: {e}", "internal_error", code=500))
+    finally:
+        await events.aclose()
+    yield "data: [DONE]\n\n"

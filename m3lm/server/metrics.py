@@ -1,0 +1,84 @@
+"""Prometheus metrics, with vLLM's names under the `m3lm:` prefix.
+
+One registry per server (tests run several in one process). The engine thread updates them
+after every step through `observe_step`; the app counts admission rejections.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from m3lm.engine.engine import LLMEngine, StepOutput
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.running = Gauge("m3lm:num_requests_running", "Requests in the running batch", labels, registry=r)
+        self.waiting = Gauge("m3lm:num_requests_waiting", "Requests waiting to run", labels, registry=r)
+        self.kv_usage = Gauge(
+            "m3lm:kv_cache_usage_perc", "Fraction of KV-cache pages in use", labels, registry=r
+        )
+        self.prompt_tokens = Counter("m3lm:prompt_tokens", "Prefilled prompt tokens", labels, registry=r)
+        self.generation_tokens = Counter("m3lm:generation_tokens", "Generated tokens", labels, registry=r)
+        self.preemptions = Counter(
+            "m3lm:num_preemptions", "Sequences preempted for pages", labels, registry=r
+        )
+        self.rejections = Counter(
+            "m3lm:admission_rejections", "Requests refused with 503", labels, registry=r
+        )
+        self.ttft = Histogram(
+            "m3lm:time_to_first_token_seconds", "Time to first token", labels, buckets=_LATENCY, registry=r
+        )
+        self.itl = Histogram(
+            "m3lm:inter_token_latency_seconds", "Time between tokens", labels, buckets=_LATENCY, registry=r
+        )
+        self.e2e = Histogram(
+            "m3lm:e2e_request_latency_seconds", "Request latency", labels, buckets=_LATENCY, registry=r
+        )
+        self.queue = Histogram(
+            "m3lm:request_queue_time_seconds",
+            "Time waiting to be scheduled",
+            labels,
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.name = model_name
+        self._preempted = 0
+        self._last_token: dict[str, float] = {}
+
+    def observe_step(self, outputs: list[StepOutput], engine: LLMEngine) -> None:
+        m = self.name
+        now = time.perf_counter()
+        sched = engine.scheduler
+        self.running.labels(m).set(len(sched.running))
+        self.waiting.labels(m).set(len(sched.waiting))
+        self.kv_usage.labels(m).set(engine.blocks.num_used / engine.blocks.num_pages)
+        if sched.num_preemptions > self._preempted:
+            self.preemptions.labels(m).inc(sched.num_preemptions - self._preempted)
+            self._preempted = sched.num_preemptions
+        for out in outputs:
+            seq = out.seq
+            if out.new_token_ids:
+                self.generation_tokens.labels(m).inc(len(out.new_token_ids))
+                last = self._last_token.get(out.request_id)
+                if last is None:
+                    self.prompt_tokens.labels(m).inc(len(seq.prompt_ids))
+                    self.ttft.labels(m).observe(now - seq.arrival)
+                    if seq.first_scheduled_time is not None:
+                        self.queue.labels(m).observe(seq.first_scheduled_time - seq.arrival)
+                else:
+                    self.itl.labels(m).observe(now - last)
+                self._last_token[out.request_id] = now
+            if out.finished:
+                self.e2e.labels(m).observe(now - seq.arrival)
+        for rid in [r for r in self._last_token if r not in engine.requests]:  # finished or aborted
+            del self._last_token[rid]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,208 @@
+"""Request bodies of the OpenAI-compatible API, their limits, and the error object.
+
+Unknown fields are accepted and ignored (logged once per name), as vLLM does; wrong types and
+out-of-range values are a 400.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from m3lm.core import SamplingParams
+
+log = logging.getLogger("m3lm.server")
+_warned_fields: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on amplifying fields and request sizes."""
+
+    max_n: int = 8
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    max_top_logprobs: int = SamplingParams.MAX_LOGPROBS
+    max_messages: int = 4096
+    max_body_bytes: int = 8 << 20
+    max_queue: int = 256
+    keepalive_s: float = 10.0
+
+
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: int | None = None
+) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def warn_unknown(self) -> None:
+        for name in (self.model_extra or {}).keys() - _warned_fields:
+            _warned_fields.add(name)
+            log.info("ignoring unknown request field %r", name)
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def check_limits(self, limits: Limits) -> None:
+        """Refuse amplifying values (ValueError -> 400)."""
+        if self.n > limits.max_n:
+            raise ValueError(f"n = {self.n} exceeds the limit of {limits.max_n}")
+        stops = self.stops()
+        if len(stops) > limits.max_stop:
+            raise ValueError(f"{len(stops)} stop strings exceed the limit of {limits.max_stop}")
+        if any(len(s) > limits.max_stop_chars for s in stops):
+            raise ValueError(f"stop strings are limited to {limits.max_stop_chars} characters")
+        if len(self.stop_token_ids or []) > 256:
+            raise ValueError("at most 256 stop_token_ids")
+
+    def sampling(
+        self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, stops: list[str]
+    ) -> SamplingParams:
+        fields = {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+        }
+        base = {
+            k: getattr(defaults, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        }
+        base.update({k: v for k, v in fields.items() if v is not None})
+        return SamplingParams(
+            **base,
+            stop=tuple(stops),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        msg = self.model_dump(exclude_none=True, exclude={"content"})
+        if isinstance(self.content, list):
+            msg["content"] = "".join(p.text for p in self.content)
+        else:
+            msg["content"] = self.content or ""
+        return msg
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_limits(self, limits: Limits) -> None:
+        super().check_limits(limits)
+        if len(self.messages) > limits.max_messages:
+            raise ValueError(f"{len(self.messages)} messages exceed the limit of {limits.max_messages}")
+        if (self.top_logprobs or 0) > limits.max_top_logprobs:
+            raise ValueError(
+                f"top_logprobs = {self.top_logprobs} exceeds the limit of {limits.max_top_logprobs}"
+            )
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+
+    def check_limits(self, limits: Limits) -> None:
+        super().check_limits(limits)
+        if (self.logprobs or 0) > limits.max_top_logprobs:
+            raise ValueError(f"logprobs = {self.logprobs} exceeds the limit of {limits.max_top_logprobs}")
+        if self.echo:
+            raise ValueError("echo is not supported")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        if not p:
+            raise ValueError("the prompt is empty")
+        return list(p)  # type: ignore[arg-type]
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
