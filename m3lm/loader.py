@@ -177,11 +177,15 @@ def stream_weights(
                             t = sl[p.index] if p.index else sl[:]
                             if scale is not None:
                                 t = dequant_mxfp8(t, scale[p.index] if p.index else scale[:])
+                            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                                raise CheckpointError(f"{src.name} holds NaN or Inf values")
                             target = params[p.param] if p.slot is None else params[p.param][p.slot]
                             target.copy_(t)
                         done += 1
                         if progress is not None:
                             progress(done, len(sources))
+            except CheckpointError:
+                raise
             except Exception as e:  # truncated or corrupt data surfaces only when it is read
                 raise CheckpointError(f"{file}: cannot read tensor data ({e})") from None
 

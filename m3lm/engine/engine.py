@@ -11,6 +11,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from m3lm.cache.block_manager import BlockManager
 from m3lm.cache.kv_cache import KVCache
 from m3lm.config import EngineConfig
@@ -149,13 +151,18 @@ class LLMEngine:
             [s.output_ids for s in ready],
             [s.generator for s in ready],
         )
-        token_ids = out.token_ids.tolist()  # the one host transfer of the step
+        # The one host transfer of the step: sampled ids, and which rows had non-finite logits.
+        finite = torch.isfinite(logits).all(dim=-1)
+        token_ids, ok = torch.stack([out.token_ids, finite.to(out.token_ids.dtype)]).tolist()
         lps = _logprobs(out, ready, token_ids)
         now = time.perf_counter()
         results = []
         for i, seq in enumerate(ready):
             seq.first_token_time = seq.first_token_time or now
             seq.last_token_time = now
+            if not ok[i]:
+                results.append(self.fail(seq, "the model produced non-finite logits"))
+                continue
             try:
                 results.append(self._append(seq, token_ids[i], lps[i]))
             except Exception as e:  # a fault in one request's text handling ends that request only

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,23 +28,32 @@ from m3lm.server.protocol import (
     DetokenizeRequest,
     Limits,
     TokenizeRequest,
+    documented_errors,
     error_body,
 )
 from m3lm.server.reasoning import ReplyFormat
 
 log = logging.getLogger("m3lm.server")
+# uvicorn refuses larger header blocks itself (with a 400); below that RequestLimits answers 431.
+UVICORN_MAX_HEADERS = 1 << 20
 
 
-class BodyLimit:
-    """Pure ASGI middleware: read at most `limit` request-body bytes, else answer 413."""
+class RequestLimits:
+    """Pure ASGI middleware: headers over `header_limit` bytes get 431, bodies over `limit` get 413.
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    The body is read (at most `limit` bytes) before the app sees the request.
+    """
+
+    def __init__(self, app, limit: int, header_limit: int):
+        self.app, self.limit, self.header_limit = app, limit, header_limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
+        raw = scope.get("headers") or []
+        if sum(len(k) + len(v) + 4 for k, v in raw) > self.header_limit:
+            return await _send_error(send, 431, f"request headers over {self.header_limit} bytes")
+        headers = dict(raw)
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await _send_error(send, 413, f"request body over {self.limit} bytes")
@@ -148,13 +157,22 @@ def build_app(
                 "not_found_error",
             )
 
-    @app.get("/health")
+    common = documented_errors(400, 401, 404, 413, 422, 431, 500, 503)
+    generation = {
+        **common,
+        200: {
+            "content": {"application/json": {}, "text/event-stream": {}},
+            "description": "a reply or an SSE stream",
+        },
+    }
+
+    @app.get("/health", responses={503: {"description": "loading, draining or failed"}})
     async def health():
         if engine.alive and not state.draining:
             return {"status": "ok"}
         return JSONResponse({"status": "unhealthy", "error": engine.error}, 503)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=common)
     async def models():
         card = {
             "id": model_name,
@@ -165,23 +183,23 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=common)
     async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation)
     async def chat(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
         req.warn_unknown()
         return await chat_completion(state, req, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generation)
     async def complete(req: CompletionRequest, request: Request):
         check_model(req.model)
         req.warn_unknown()
         return await completion(state, req, request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=common)
     async def tokenize(req: TokenizeRequest):
         check_model(req.model)
         if tokenizer is None:
@@ -200,7 +218,7 @@ def build_app(
             raise ApiError(400, str(e)) from None
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=common)
     async def detokenize(req: DetokenizeRequest):
         check_model(req.model)
         if tokenizer is None:
@@ -217,9 +235,8 @@ def create_server_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: 
     """The ASGI app as served: the FastAPI app behind the body-size limit."""
     metrics = Metrics(model_name)
     engine.observer = metrics.observe_step
-    return BodyLimit(
-        build_app(engine, tokenizer, model_name, api_key, limits, metrics), limits.max_body_bytes
-    )
+    app = build_app(engine, tokenizer, model_name, api_key, limits, metrics)
+    return RequestLimits(app, limits.max_body_bytes, limits.max_header_bytes)
 
 
 def serve(
@@ -254,5 +271,5 @@ def serve(
         port=port,
         timeout_graceful_shutdown=grace_s,
         log_level="info",
-        h11_max_incomplete_event_size=64 * 1024,
+        h11_max_incomplete_event_size=UVICORN_MAX_HEADERS,
     )

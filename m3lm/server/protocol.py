@@ -28,6 +28,7 @@ class Limits:
     max_top_logprobs: int = SamplingParams.MAX_LOGPROBS
     max_messages: int = 4096
     max_body_bytes: int = 8 << 20
+    max_header_bytes: int = 32 << 10
     max_queue: int = 256
     keepalive_s: float = 10.0
 
@@ -38,12 +39,30 @@ def error_body(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def documented_errors(*codes: int) -> dict:
+    """OpenAPI `responses` entries for the error statuses a route can answer."""
+    return {c: {"model": ErrorResponse} for c in codes}
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -113,12 +132,14 @@ class _Request(BaseModel):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -138,7 +159,7 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
@@ -146,6 +167,8 @@ class FunctionDef(BaseModel):
 
 
 class Tool(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["function"] = "function"
     function: FunctionDef
 
@@ -197,6 +220,8 @@ class CompletionRequest(_Request):
 
 
 class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -204,5 +229,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     model: str | None = None
     tokens: list[int]
