@@ -17,7 +17,10 @@ from m3lm.loader import check_dir, load_model
 from m3lm.models.minimax_m3 import MiniMaxM3
 
 __version__ = "0.1.0"
+# The embedded default model: a 10M-parameter MiniMax-M3 (MSA + MoE) trained on short stories.
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "story"
 __all__ = [
+    "DEFAULT_MODEL",
     "CheckpointError",
     "ConfigError",
     "EngineConfig",

@@ -20,12 +20,15 @@ FAMILIES = [
 
 
 def cmd_list(_: argparse.Namespace) -> int:
+    from m3lm import DEFAULT_MODEL
+
     cols = ["model_type", "architecture", "msa", "moe", "quantized"]
     heads = {c: c.upper() for c in cols}
     widths = {c: max(len(heads[c]), *(len(f[c]) for f in FAMILIES)) for c in cols}
     print("  ".join(heads[c].ljust(widths[c]) for c in cols).rstrip())
     for f in FAMILIES:
         print("  ".join(f[c].ljust(widths[c]) for c in cols).rstrip())
+    print(f"\ndefault model: {DEFAULT_MODEL} (10M-parameter story model, MSA + MoE)")
     return 0
 
 
@@ -98,6 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ]
         _stream(model, tokenizer, args, messages=messages, chat_template_kwargs=_template_kwargs(args))
     else:
+        sys.stdout.write(args.prompt)  # a text completion continues the prompt: print the whole text
         _stream(model, tokenizer, args, prompt=args.prompt)
     return 0
 
@@ -156,7 +160,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded story model)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--system", default=None, help="system prompt")
@@ -176,6 +180,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _default_model(args: argparse.Namespace) -> None:
+    if getattr(args, "model", "") is None:
+        from m3lm import DEFAULT_MODEL
+
+        args.model = str(DEFAULT_MODEL)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="m3lm", description="Run MiniMax-M3 models.")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
@@ -190,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(chat)
     chat.set_defaults(func=cmd_chat)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    srv.add_argument("--model", required=True, help="checkpoint directory")
+    srv.add_argument("--model", default=None, help="checkpoint directory (default: the embedded story model)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="required Bearer token (or set M3LM_API_KEY)")
@@ -214,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _default_model(args)
     try:
         return args.func(args)
     except (M3lmError, OSError, ValueError) as e:

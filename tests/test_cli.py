@@ -63,7 +63,7 @@ def test_generate_streams_text_and_stats():
         "0",
     )
     assert r.returncode == 0, r.stderr
-    assert r.stdout == want + "\n"
+    assert r.stdout == "Once upon a time" + want + "\n"
     assert "prompt:" in r.stderr and "tok/s" in r.stderr and "peak memory" in r.stderr
 
 
@@ -120,3 +120,78 @@ def test_chat_repl_keeps_history():
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{first.text}\n{second.text}\n"
     assert r.stderr.count("generation:") == 2
+
+
+def test_default_model_tells_a_story():
+    """`m3lm generate --prompt ...` on the embedded model, greedy and sampled."""
+    import m3lm
+
+    greedy = cli("generate", "--prompt", "Once upon a time", "--temperature", "0", "--max-tokens", "300")
+    assert greedy.returncode == 0, greedy.stderr
+    model, tok = m3lm.load(m3lm.DEFAULT_MODEL, device="cpu")
+    res = m3lm.generate(model, tok, "Once upon a time", max_tokens=300, temperature=0.0)
+    assert greedy.stdout == "Once upon a time" + res.text + "\n"
+    assert res.finish_reason == "stop"  # the model ends its story with EOS
+    for text in (res.text, cli("generate", "--prompt", "Once upon a time", "--seed", "3").stdout):
+        words = text.split()
+        assert len(words) >= 20
+        plain = sum(c.isascii() and (c.isalnum() or c in " .,!?'\"\n-") for c in text)
+        assert plain / len(text) > 0.97
+        assert sum(w.strip(".,!?\"'").lower() in COMMON for w in words) / len(words) > 0.3
+
+
+COMMON = set(
+    [
+        "the",
+        "a",
+        "and",
+        "to",
+        "was",
+        "he",
+        "she",
+        "they",
+        "it",
+        "his",
+        "her",
+        "of",
+        "in",
+        "on",
+        "with",
+        "said",
+        "one",
+        "day",
+        "little",
+        "big",
+        "very",
+        "happy",
+        "there",
+        "were",
+        "had",
+        "saw",
+        "wanted",
+        "play",
+        "went",
+        "friend",
+        "friends",
+        "mom",
+        "dad",
+        "time",
+        "so",
+        "but",
+        "not",
+        "you",
+        "i",
+        "is",
+        "that",
+        "at",
+        "for",
+        "what",
+        "like",
+        "be",
+        "all",
+        "up",
+        "out",
+        "go",
+        "then",
+    ]
+)

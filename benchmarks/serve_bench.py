@@ -1,0 +1,384 @@
+"""Online serving benchmark: throughput and latency of an m3lm server under concurrent streaming load.
+
+For each `--concurrency` value C, the benchmark sends `--num-requests` streaming requests to
+`/v1/completions` (token-id prompts; `--endpoint chat` sends the same prompts as text to
+`/v1/chat/completions`) with at most C in flight, and reports:
+
+- request throughput, output token throughput and total (prompt + output) token throughput;
+- TTFT: time from sending a request to its first chunk carrying generated text;
+- TPOT: (E2E - TTFT) / (output tokens - 1) per request, the decode time per token;
+- ITL: the gaps between successive streamed chunks that carry generated text (a token that
+  decodes to no text yet, such as part of a multi-byte character, comes with the next one, so
+  there can be fewer chunks than tokens);
+- E2E request latency, and the number of failed requests.
+
+Prompts are `--input-len` token ids drawn at random (`--seed`) from the ids that the server's
+`/tokenize` returns for random ASCII text, so they are valid for any tokenizer. Every request asks
+for exactly `--output-len` tokens (`max_tokens`, `ignore_eos: true`, greedy by default), with
+`stream_options.include_usage` so the token counts come from the response. Before and after each
+concurrency level the benchmark reads `/metrics` and checks that the growth of
+`m3lm:generation_tokens_total` and `m3lm:prompt_tokens_total` equals the token counts the clients
+received, and shows the server's own mean TTFT, ITL and E2E from its histograms. A request fails
+on an HTTP error, an error event in the stream, or a token count other than `--output-len`. One
+unmeasured request warms the server up first.
+
+Either point it at a running server (`--url http://127.0.0.1:8000`) or give `--model DIR`: it
+then starts `python -m m3lm serve --model DIR --port <free port>` on 127.0.0.1, waits for
+/health, and stops it at the end. Only loopback addresses are accepted, and `--timeout` bounds
+the whole run. Run from the repository root:
+
+    python3 benchmarks/serve_bench.py --model ../shared/fixtures/minimax-m3-tiny \\
+        --concurrency 1 4 16 --num-requests 32 --input-len 64 --output-len 32 \\
+        --out benchmarks/results/serve_tiny.md
+
+`--out` appends a dated section (command, device, versions, figures) to the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shlex
+import socket
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+class Server:
+    """`python -m m3lm serve` as a child process on a free loopback port."""
+
+    def __init__(self, model: str, api_key: str | None, extra: list[str]):
+        """`model` as given (for the record); the child gets its absolute path."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.argv = ["python", "-m", "m3lm", "serve", "--model", model, "--port", str(port), *extra]
+        argv = [sys.executable, *self.argv[1:], *(["--api-key", api_key] if api_key else [])]
+        argv[argv.index("--model") + 1] = str(Path(model).resolve())
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
+        self.log, path = tempfile.mkstemp(prefix="m3lm-serve-", suffix=".log")
+        os.unlink(path)  # the open descriptor keeps the log until we close it
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+    def wait_healthy(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"the server did not become healthy in time:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        size = os.fstat(self.log).st_size
+        return os.pread(self.log, n, max(size - n, 0)).decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.close(self.log)
+
+
+async def request(client: httpx.AsyncClient, url: str, body: dict, chat: bool) -> Result:
+    """One streamed request, timed from sending it to `[DONE]`."""
+    r = Result()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue  # blank separators and keep-alive comments
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    r.error = f"stream error: {chunk['error'].get('message')}"
+                    return r
+                if chunk.get("usage"):
+                    r.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    r.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                choice = chunk["choices"][0]
+                delta = choice.get("delta", {}) if chat else {"text": choice.get("text")}
+                if not any(v for k, v in delta.items() if k != "role"):
+                    continue  # the chat role chunk and the empty finishing chunk carry no token
+                now = time.perf_counter()
+                if r.ttft:
+                    r.itl.append(now - last)
+                else:
+                    r.ttft = now - start
+                last = now
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+        return r
+    r.e2e = time.perf_counter() - start
+    want = body["max_tokens"]
+    r.ok = r.output_tokens == want and r.ttft > 0
+    r.error = "" if r.ok else f"{r.output_tokens} output tokens in the usage chunk, asked for {want}"
+    return r
+
+
+async def run_level(client, url, bodies, chat, concurrency, deadline) -> tuple[list[Result], float]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(body: dict) -> Result:
+        async with sem:
+            return await request(client, url, body, chat)
+
+    tasks = [asyncio.ensure_future(one(b)) for b in bodies]
+    start = time.perf_counter()
+    done, pending = await asyncio.wait(tasks, timeout=max(deadline - time.monotonic(), 0))
+    duration = time.perf_counter() - start
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    results = [t.result() if t in done else Result(error="cut by --timeout") for t in tasks]
+    return results, duration
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(results: list[Result], duration: float, metrics_delta: dict[str, float]) -> dict[str, str]:
+    ok = [r for r in results if r.ok]
+    out_tok = sum(r.output_tokens for r in ok)
+    in_tok = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [x for r in ok for x in r.itl]
+    row = {
+        "successful requests": f"{len(ok)}",
+        "failed requests": f"{len(results) - len(ok)}",
+        "duration (s)": f"{duration:.2f}",
+        "prompt / output tokens": f"{in_tok} / {out_tok}",
+        "request throughput (req/s)": f"{len(ok) / duration:.2f}",
+        "output token throughput (tok/s)": f"{out_tok / duration:.1f}",
+        "total token throughput (tok/s)": f"{(in_tok + out_tok) / duration:.1f}",
+    }
+    for name, xs in (
+        ("TTFT", [r.ttft for r in ok]),
+        ("TPOT", tpot),
+        ("ITL", itl),
+        ("E2E", [r.e2e for r in ok]),
+    ):
+        ms = [x * 1000 for x in xs]
+        mean = sum(ms) / len(ms) if ms else float("nan")
+        row[f"{name} mean / median / p99 (ms)"] = (
+            f"{mean:.1f} / {percentile(ms, 50):.1f} / {percentile(ms, 99):.1f}"
+        )
+    d = metrics_delta
+    gen, prompt = d.get("m3lm:generation_tokens_total", 0), d.get("m3lm:prompt_tokens_total", 0)
+    agree = "agree" if gen == out_tok and prompt == in_tok else "**DISAGREE**"
+    row["/metrics delta: generation / prompt tokens"] = f"{gen:.0f} / {prompt:.0f} ({agree})"
+    means = [
+        1000 * d.get(f"m3lm:{h}_sum", 0) / max(d.get(f"m3lm:{h}_count", 0), 1)
+        for h in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds")
+    ]
+    row["/metrics delta: server TTFT / ITL / E2E mean (ms)"] = " / ".join(f"{m:.1f}" for m in means)
+    return row
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    """The server's m3lm: samples, summed over label sets (histogram buckets are left out)."""
+    totals: dict[str, float] = {}
+    for line in client.get("/metrics").raise_for_status().text.splitlines():
+        if line.startswith("m3lm:") and "_bucket{" not in line:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def make_bodies(client: httpx.Client, model: str, a: argparse.Namespace) -> list[dict]:
+    rng = random.Random(a.seed)
+    text = "".join(rng.choice(string.ascii_letters + string.digits + " .,") for _ in range(4000))
+    pool = sorted(set(client.post("/tokenize", json={"prompt": text}).raise_for_status().json()["tokens"]))
+    prompts = [[rng.choice(pool) for _ in range(a.input_len)] for _ in range(a.num_requests)]
+    common = {
+        "model": model,
+        "max_tokens": a.output_len,
+        "ignore_eos": True,
+        "temperature": a.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if a.endpoint == "completions":
+        return [{"prompt": p, **common} for p in prompts]
+    texts = [
+        client.post("/detokenize", json={"tokens": p}).raise_for_status().json()["prompt"] for p in prompts
+    ]
+    return [{"messages": [{"role": "user", "content": t}], **common} for t in texts]
+
+
+def device() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def table(levels: list[int], rows: list[dict[str, str]]) -> str:
+    head = "| concurrency | " + " | ".join(str(c) for c in levels) + " |"
+    lines = [head, "|---|" + "---:|" * len(levels)]
+    lines += [f"| {k} | " + " | ".join(r[k] for r in rows) + " |" for k in rows[0]]
+    return "\n".join(lines)
+
+
+async def bench(a: argparse.Namespace, url: str, deadline: float) -> list[dict[str, str]]:
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    sync = httpx.Client(base_url=url, headers=headers, timeout=60, trust_env=False)
+    model = sync.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+    bodies = make_bodies(sync, model, a)
+    chat = a.endpoint == "chat"
+    path = url + ("/v1/chat/completions" if chat else "/v1/completions")
+    limits = httpx.Limits(max_connections=max(a.concurrency), max_keepalive_connections=max(a.concurrency))
+    timeout = httpx.Timeout(a.timeout, connect=10)
+    rows = []
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout, trust_env=False) as client:
+        warm = await request(client, path, bodies[0], chat)
+        if not warm.ok:
+            raise RuntimeError(f"the warm-up request failed: {warm.error}")
+        for c in a.concurrency:
+            before = scrape(sync)
+            results, duration = await run_level(client, path, bodies, chat, c, deadline)
+            await asyncio.sleep(0.2)  # let the engine thread publish the last step's metrics
+            after = scrape(sync)
+            delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+            rows.append(summarize(results, duration, delta))
+            errors = sorted({r.error for r in results if not r.ok})
+            print(f"concurrency {c}: {json.dumps(rows[-1], indent=1)}", flush=True)
+            for e in errors[:5]:
+                print(f"  error: {e}", flush=True)
+            if time.monotonic() > deadline:
+                print("stopped: --timeout reached", flush=True)
+                break
+    sync.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="a running server on loopback, e.g. http://127.0.0.1:8000")
+    src.add_argument("--model", help="checkpoint directory: start `m3lm serve` on a free loopback port")
+    ap.add_argument("--server-args", default="", help="extra `m3lm serve` arguments, e.g. '--max-num-seqs 8'")
+    ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1], help="one run per value")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=64, help="prompt length in tokens")
+    ap.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--api-key", default=os.environ.get("M3LM_API_KEY"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--timeout", type=float, default=600, help="seconds for the whole run, server start included"
+    )
+    ap.add_argument("--out", type=Path, help="append a dated Markdown section to this file")
+    a = ap.parse_args()
+    if min(a.concurrency) < 1 or a.num_requests < 1 or a.input_len < 1 or a.output_len < 1:
+        ap.error("--concurrency, --num-requests, --input-len and --output-len must be positive")
+
+    env = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ]
+    argv = ["***" if i and sys.argv[i - 1] == "--api-key" else x for i, x in enumerate(sys.argv)]
+    argv = ["--api-key=***" if x.startswith("--api-key=") else x for x in argv]
+    command = shlex.join([*env, "python3", *argv])  # the API key is not written down
+    deadline = time.monotonic() + a.timeout
+    load = os.getloadavg()[0]
+    server = None
+    if a.model:
+        server = Server(a.model, a.api_key, shlex.split(a.server_args))
+        url = server.url
+    else:
+        url = a.url.rstrip("/")
+        if urlparse(url).hostname not in LOOPBACK:
+            ap.error(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))})")
+    try:
+        if server is not None:
+            t0 = time.perf_counter()
+            server.wait_healthy(deadline)
+            print(f"server healthy after {time.perf_counter() - t0:.1f} s at {url}", flush=True)
+        rows = asyncio.run(bench(a, url, deadline))
+    finally:
+        if server is not None:
+            server.stop()
+    if not rows:
+        sys.exit("no concurrency level finished within --timeout")
+    result = table(a.concurrency[: len(rows)], rows)
+    print(result)
+    if a.out:
+        date = datetime.now(timezone.utc).strftime("%a %b %d %H:%M:%S UTC %Y")
+        shape = " (the user message, before the chat template)" if a.endpoint == "chat" else ""
+        served = f"`{shlex.join(server.argv)}`" if server else f"already running at {url}"
+        section = (
+            f"## {date}\n\n"
+            f"Command: `{command}`\n\n"
+            f"Server: {served}; endpoint /v1/{a.endpoint.replace('chat', 'chat/completions')}, "
+            f"{a.num_requests} requests of {a.input_len} prompt tokens{shape} -> {a.output_len} output tokens "
+            f"(ignore_eos, temperature {a.temperature}), streamed\n\n"
+            f"Device: {device()}; Python {platform.python_version()}, torch {version('torch')} "
+            f"(client and server on the same machine; load average {load:.2f} at the start)\n\n"
+            f"{result}\n"
+        )
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        with a.out.open("a") as f:
+            f.write(
+                ("\n" if a.out.stat().st_size else "# Online serving: throughput and latency\n\n") + section
+            )
+        print(f"appended to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
