@@ -47,7 +47,12 @@ OK_BODY = {"prompt": "once upon a time", "max_tokens": 4, "temperature": 0}
 
 BAD = [
     ("/v1/completions", {"prompt": "x", "n": 10**9}, 400),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 200),  # capped by the context, not refused
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400),
+    (
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 256, "ignore_eos": True},
+        200,
+    ),  # clamped to the context
     ("/v1/completions", {"prompt": "x", "logprobs": 10**6}, 400),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 10**4}, 400),
     ("/v1/completions", {"prompt": "x", "stop": "a" * 10**4}, 400),
@@ -233,6 +238,39 @@ def test_detokenizer_fault_stops_only_its_request(live):
     assert bad.status_code == 500 and "decoder exploded" in bad.json()["error"]["message"]
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 5
     assert live.engine.alive
+
+
+def test_parser_fault_fails_only_its_request(live):
+    from m3lm.server import reasoning
+
+    real = reasoning.ReplyParser.feed
+
+    def broken(self, token_id, text):
+        raise RuntimeError("parser exploded")
+
+    reasoning.ReplyParser.feed = broken
+    try:
+        r = httpx.post(
+            live.url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
+    finally:
+        reasoning.ReplyParser.feed = real
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+    assert live.engine.alive
+    wait_idle(live.engine)
+    assert httpx.post(live.url + "/v1/completions", json=OK_BODY).status_code == 200
+
+
+def test_slow_reader_does_not_stall_others(live):
+    """A client that stops reading its stream holds only its own request."""
+    body = {"prompt": "once upon a time", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body) as slow:
+        next(slow.iter_lines())  # read one line, then stop reading
+        t0 = time.time()
+        r = httpx.post(live.url + "/v1/completions", json=OK_BODY, timeout=30)
+        assert r.status_code == 200 and time.time() - t0 < 10
+    wait_idle(live.engine)
 
 
 # --- checkpoint faults ----------------------------------------------------------------------------

@@ -358,3 +358,16 @@ def test_queue_full_gets_503_and_admitted_requests_complete(checkpoint):
                 assert r.json()["usage"]["completion_tokens"] == 60
     finally:
         server.stop()
+
+
+def test_the_default_model_is_served():
+    server = start(m3lm.DEFAULT_MODEL, api_key=None, max_model_len=1024)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        r = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=300, temperature=0)
+        text = r.choices[0].text
+        assert r.choices[0].finish_reason == "stop" and len(text.split()) > 20
+        model, tok = server.engine.engine.model, server.engine.engine.tokenizer
+        assert text == m3lm.generate(model, tok, "Once upon a time", max_tokens=300, temperature=0.0).text
+    finally:
+        server.stop()

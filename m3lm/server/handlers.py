@@ -60,6 +60,10 @@ class ServerState:
 
 def submit(state: ServerState, prompt_ids: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
     """Admit n samples of one prompt, or none of them."""
+    if params.max_tokens > state.max_model_len:
+        raise ApiError(
+            400, f"max_tokens = {params.max_tokens} exceeds the context length {state.max_model_len}"
+        )
     if state.draining:
         raise ApiError(503, "the server is shutting down", "service_unavailable", {"Retry-After": "5"})
     streams: list[RequestStream] = []
