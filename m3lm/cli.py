@@ -159,6 +159,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise M3lmError("m3lm bench needs an NVIDIA GPU")
+    from m3lm import bench
+
+    args.decode = [tuple(int(x) for x in item.lower().split("x")) for item in args.decode.split(",") if item]
+    args.prefill = [int(x) for x in args.prefill.split(",") if x]
+    rows = bench.run(args)
+    report = bench.markdown(rows, "m3lm " + " ".join(sys.argv[1:]))
+    print(report)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(report + "\n")
+    return 0
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded story model)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -216,6 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--msa-dense-window", type=float, default=None, metavar="F")
     srv.set_defaults(func=cmd_serve)
+    bn = sub.add_parser("bench", help="time a real-dimension slice on the GPU against its floor")
+    bn.add_argument("--layers", type=int, default=4)
+    bn.add_argument("--decode", default="1x4096,16x2048,64x1024,1x131072", help="BxCTX,... decode cases")
+    bn.add_argument("--prefill", default="4096,8192", help="prefill lengths (batch 1)")
+    bn.add_argument("--iters", type=int, default=20)
+    bn.add_argument("--compare-transformers", action="store_true")
+    bn.add_argument("--out", default=None, help="append the Markdown report to this file")
+    bn.set_defaults(func=cmd_bench)
     for p in (gen, chat, srv):
         p.add_argument(
             "--verbose", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"

@@ -361,6 +361,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     kv_cache_bytes: int = 1 << 30
     msa_dense_window: float | None = None
+    cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_tokens"):

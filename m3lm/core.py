@@ -44,6 +44,27 @@ class ForwardBatch:
         return cls(positions=positions, q_lens=[length] * batch)
 
 
+@dataclass
+class DecodeBatch:
+    """One new token for each of B sequences, over the paged caches (the GPU decode path).
+
+    positions [B] long: the new token's position; lens [B] int32 = positions + 1; tables
+    [B, MAXP] int32: each sequence's pages; pages/slots [B]: where the new token's keys go.
+    """
+
+    positions: torch.Tensor
+    lens: torch.Tensor
+    tables: torch.Tensor
+    pages: torch.Tensor
+    slots: torch.Tensor
+    cache: object  # KVCache
+
+    @classmethod
+    def build(cls, positions: torch.Tensor, tables: torch.Tensor, cache, page_size: int) -> DecodeBatch:
+        pages = tables.gather(1, (positions // page_size)[:, None])[:, 0].long()
+        return cls(positions, (positions + 1).to(torch.int32), tables, pages, positions % page_size, cache)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop; the defaults may come from generation_config.json.

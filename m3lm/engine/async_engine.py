@@ -147,6 +147,8 @@ class AsyncEngine:
             while not self._stop:
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
+                    if self.observer is not None:
+                        self.observer([], self.engine)  # gauges follow aborts even when idle
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue

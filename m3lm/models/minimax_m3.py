@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from m3lm.config import ModelArgs
-from m3lm.core import ForwardBatch
-from m3lm.kernels.moe import moe_experts_ref
+from m3lm.core import DecodeBatch, ForwardBatch
+from m3lm.kernels.moe import moe_experts, moe_experts_ref
 from m3lm.kernels.msa import msa_attention_ref, msa_select_ref
 from m3lm.layers.mlp import MLP
 from m3lm.layers.moe import route
@@ -104,6 +104,31 @@ class Attention(nn.Module):
         block_ids = msa_select_ref(iq, ik, pos, *self.msa)  # [K, n, k], or None when exactly dense
         return msa_attention_ref(q, k, v, pos, self.scale, block_ids, block_size)
 
+    def decode(self, x: torch.Tensor, dec: DecodeBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence over the paged caches (GPU kernels; no host sync): [B, C] -> [B, C]."""
+        from m3lm.kernels import msa_triton
+
+        b = x.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, self.n_heads, -1)), cos, sin)  # [B, H, D]
+        k = apply_rope(self.k_norm(self.k_proj(x).view(b, self.n_kv, -1)), cos, sin)  # [B, K, D]
+        v = self.v_proj(x).view(b, self.n_kv, -1)
+        cache, layer = dec.cache, self.layer_idx
+        cache.k[layer][dec.pages, dec.slots] = k.to(cache.k[layer].dtype)
+        cache.v[layer][dec.pages, dec.slots] = v.to(cache.v[layer].dtype)
+        block_ids = None
+        if self.sparse:
+            iq = apply_rope(
+                self.index_q_norm(self.index_q_proj(x).view(b, self.n_kv, -1)), cos, sin
+            )  # [B, K, Di]
+            ik = apply_rope(self.index_k_norm(self.index_k_proj(x).view(b, 1, -1)), cos, sin)[:, 0]  # [B, Di]
+            cache.ik[layer][dec.pages, dec.slots] = ik.to(cache.ik[layer].dtype)
+            scores = msa_triton.index_block_scores(iq, cache.ik[layer], dec.tables, dec.lens)  # [B, K, MAXP]
+            block_ids = msa_triton.select_blocks(scores, dec.lens, *self.msa)  # [B, K, k]
+        out = msa_triton.paged_attention(
+            q, cache.k[layer], cache.v[layer], dec.tables, dec.lens, self.scale, block_ids
+        )
+        return self.o_proj(out.flatten(1))  # [B, C]
+
 
 class Experts(nn.Module):
     """Routed experts stacked along E: w1 gate, w3 up [E, I, C]; w2 down [E, C, I]."""
@@ -133,7 +158,8 @@ class MoE(nn.Module):
         logits = nn.functional.linear(x.float(), self.gate.weight)  # [T, E] fp32
         weights, ids = route(logits, self.e_score_correction_bias, self.top_k)  # [T, A]
         ex = self.experts
-        routed = moe_experts_ref(x, weights, ids, ex.w1, ex.w3, ex.w2, self.alpha, self.limit)  # [T, C] fp32
+        experts = moe_experts if x.is_cuda else moe_experts_ref  # Triton grouped GEMM on the GPU
+        routed = experts(x, weights, ids, ex.w1, ex.w3, ex.w2, self.alpha, self.limit)  # [T, C] fp32
         # routed_scaling_factor scales the routed sum only; the shared expert enters at 1.0.
         return (routed * self.scaling + self.shared_experts(x).float()).to(x.dtype)
 
@@ -155,6 +181,11 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), batch, cos, sin)
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return h + ffn(self.post_attention_layernorm(h))
+
+    def decode(self, h: torch.Tensor, dec: DecodeBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn.decode(self.input_layernorm(h), dec, cos, sin)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
         return h + ffn(self.post_attention_layernorm(h))
 
@@ -194,6 +225,18 @@ class MiniMaxM3(nn.Module):
             h = layer(h, batch, cos, sin)
         if logits_rows is not None:
             h = h[logits_rows]
+        return self.lm_head(self.model.norm(h)).float()
+
+    def decode(self, tokens: torch.Tensor, dec: DecodeBatch) -> torch.Tensor:
+        """One decode step for B sequences on the GPU: tokens [B] at dec.positions -> fp32 logits [B, V].
+
+        Static shapes and no host synchronisation, so a step can be captured in a CUDA graph.
+        """
+        a = self.args
+        h = self.model.embed_tokens(tokens)  # [B, C]
+        cos, sin = rope_cos_sin(dec.positions, a.rotary_dim, a.rope_theta)
+        for layer in self.model.layers:
+            h = layer.decode(h, dec, cos, sin)
         return self.lm_head(self.model.norm(h)).float()
 
 

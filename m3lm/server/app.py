@@ -132,6 +132,8 @@ def build_app(
     async def invalid(_: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        if first.get("type") == "json_invalid":
+            loc = ""  # the location is a byte offset, not a field
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
         return JSONResponse(error_body(msg, param=loc or None, code=400), 400)
 

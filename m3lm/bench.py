@@ -1,0 +1,267 @@
+"""`m3lm bench`: a real-dimension slice of MiniMax-M3 on one GPU, timed against its memory floor.
+
+The slice has the release's exact text dimensions and N layers (layer 0 dense MLP + full
+attention, the rest MoE + MSA), random bf16 weights built directly on the GPU. Decode steps are
+timed as captured CUDA graph replays (the engine's decode path); prefill as one packed forward.
+Each row reports ms, tok/s, the bytes the step must read at least, GB/s and the fraction of the
+floor (bytes at the measured copy bandwidth). With `--compare-transformers` the transformers
+implementation runs on a slice of the same dimensions in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from m3lm.cache.kv_cache import KVCache, PagedKV
+from m3lm.config import parse_config
+from m3lm.core import ForwardBatch
+from m3lm.engine.cuda_graphs import DecodeGraphs
+from m3lm.models.minimax_m3 import MiniMaxM3
+
+COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on the H200
+
+
+def release_slice_config(layers: int) -> dict:
+    """The release's text config with `layers` layers (layer 0 dense + full attention)."""
+    n = layers
+    flags = [0] + [1] * (n - 1)
+    return {
+        "model_type": "minimax_m3",
+        "vocab_size": 200064, "hidden_size": 6144, "num_hidden_layers": n,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+        "rotary_dim": 64, "partial_rotary_factor": 0.5, "rope_theta": 5000000,
+        "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "hidden_act": "swigluoai",
+        "intermediate_size": 3072, "shared_intermediate_size": 3072, "dense_intermediate_size": 12288,
+        "num_local_experts": 128, "num_experts_per_tok": 4, "routed_scaling_factor": 2.0,
+        "moe_layer_freq": flags,
+        "sparse_attention_config": {
+            "use_sparse_attention": True, "sparse_attention_freq": flags, "sparse_disable_index_value": flags,
+            "sparse_num_index_heads": 4, "sparse_index_dim": 128, "sparse_block_size": 128,
+            "sparse_topk_blocks": 16, "sparse_local_block": 1, "sparse_init_block": 0,
+        },
+    }  # fmt: skip
+
+
+def build_slice(layers: int, device: str = "cuda", seed: int = 0) -> MiniMaxM3:
+    args = parse_config(release_slice_config(layers))
+    with torch.device("meta"):
+        model = MiniMaxM3(args, dtype=torch.bfloat16)
+    model = model.to_empty(device=device).eval().requires_grad_(False)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = 0.1 if p.dim() == 1 else 0.02
+            p.normal_(0.0, std, generator=gen)
+            if name.endswith("e_score_correction_bias"):
+                p.mul_(0.01)
+    return model
+
+
+@dataclass
+class Row:
+    case: str
+    ms: float
+    tokens: int
+    floor_bytes: float
+    flops: float
+    ref_ms: float | None = None
+
+    def cells(self) -> list[str]:
+        tps = self.tokens / self.ms * 1e3
+        gbs = self.floor_bytes / self.ms / 1e6
+        frac = self.floor_bytes / COPY_BW * 1e3 / self.ms
+        tf = self.flops / self.ms / 1e9
+        ref = f"{self.ref_ms:.2f}" if self.ref_ms else "-"
+        speed = f"{self.ref_ms / self.ms:.1f}x" if self.ref_ms else "-"
+        return [
+            self.case,
+            f"{self.ms:.3f}",
+            f"{tps:,.0f}",
+            f"{gbs:,.0f}",
+            f"{tf:,.1f}",
+            f"{frac:.2f}",
+            ref,
+            speed,
+        ]
+
+
+def _weights_bytes(model: MiniMaxM3, batch: int) -> float:
+    """Bytes of weights one decode step of `batch` tokens must read (experts: those expected to be hit)."""
+    a = model.args
+    total = 0.0
+    for name, p in model.named_parameters():
+        b = p.numel() * p.element_size()
+        if name.endswith("embed_tokens.weight"):
+            b = batch * a.hidden_size * p.element_size()
+        elif ".experts." in name:
+            hit = a.num_local_experts * (1 - (1 - a.num_experts_per_tok / a.num_local_experts) ** batch)
+            b = b * hit / a.num_local_experts
+        total += b
+    return total
+
+
+def _active_params(model: MiniMaxM3) -> float:
+    a = model.args
+    n = 0.0
+    for name, p in model.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            continue
+        n += p.numel() * (a.num_experts_per_tok / a.num_local_experts if ".experts." in name else 1)
+    return n
+
+
+def _kv_bytes(model: MiniMaxM3, batch: int, ctx: int) -> float:
+    a = model.args
+    per_tok = 2 * a.num_key_value_heads * a.head_dim * 2
+    dense = sum(1 for s in a.sparse_layers if not s) * ctx
+    sparse = sum(a.sparse_layers) * min(ctx, a.dense_window)
+    index = sum(a.sparse_layers) * ctx * a.index_head_dim * 2
+    return batch * ((dense + sparse) * per_tok + index)
+
+
+def _fill(cache: KVCache, gen: torch.Generator) -> None:
+    for t in (*cache.k, *cache.v, *cache.ik.values()):
+        t.normal_(0.0, 1.0, generator=gen)
+
+
+def _time(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def bench_decode(model: MiniMaxM3, batch: int, ctx: int, iters: int) -> Row:
+    s = model.args.index_block_size
+    pages = math.ceil(ctx / s)
+    cache = KVCache(model.args, batch * pages + 1, "cuda", torch.bfloat16)
+    _fill(cache, torch.Generator(device="cuda").manual_seed(1))
+    graphs = DecodeGraphs(model, cache, batch, pages, batch * pages)
+    tables = [list(range(i * pages, (i + 1) * pages)) for i in range(batch)]
+    tokens = torch.randint(0, model.args.vocab_size, (batch,)).tolist()
+    graphs.run(tokens, [ctx - 1] * batch, tables)
+    graph, _ = graphs._graphs[graphs.bucket(batch)]
+    ms = _time(graph.replay, iters)
+    del graphs, cache
+    flops = 2 * _active_params(model) * batch
+    return Row(
+        f"decode B={batch} ctx={ctx}",
+        ms,
+        batch,
+        _weights_bytes(model, batch) + _kv_bytes(model, batch, ctx),
+        flops,
+    )
+
+
+def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
+    s = model.args.index_block_size
+    pages = math.ceil(length / s)
+    cache = KVCache(model.args, pages, "cuda", torch.bfloat16)
+    ids = torch.randint(0, model.args.vocab_size, (length,), device="cuda")
+    pos = torch.arange(length, device="cuda")
+    last = torch.tensor([length - 1], device="cuda")
+
+    def step():
+        with torch.inference_mode():
+            batch = ForwardBatch(pos, [length], kv=PagedKV(cache, [list(range(pages))], [0], [length]))
+            model.forward_batch(ids, batch, last)
+
+    ms = _time(step, iters)
+    a = model.args
+    attn = sum(min(length, a.dense_window if sp else length) for sp in a.sparse_layers) * length
+    flops = 2 * _active_params(model) * length + 4 * attn * a.num_attention_heads * a.head_dim
+    return Row(f"prefill B=1 T={length}", ms, length, _weights_bytes(model, length), flops)
+
+
+def run(args) -> list[Row]:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    t0 = time.time()
+    model = build_slice(args.layers)
+    print(f"built a {args.layers}-layer slice in {time.time() - t0:.1f} s", flush=True)
+    rows = []
+    for b, ctx in args.decode:
+        rows.append(bench_decode(model, b, ctx, args.iters))
+        print(" | ".join(rows[-1].cells()), flush=True)
+    for t in args.prefill:
+        rows.append(bench_prefill(model, t, max(3, args.iters // 5)))
+        print(" | ".join(rows[-1].cells()), flush=True)
+    cfg = release_slice_config(args.layers)
+    del model
+    torch.cuda.empty_cache()
+    if args.compare_transformers:
+        _compare(cfg, args, rows)
+    return rows
+
+
+def _compare(cfg: dict, args, rows: list[Row]) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import hf_reference
+
+    hf = hf_reference.build_hf_slice(_hf_config(cfg), "cuda")
+    for row, spec in zip(
+        rows, [("d", b, c) for b, c in args.decode] + [("p", 1, t) for t in args.prefill], strict=True
+    ):
+        kind, b, n = spec
+        res = (
+            hf_reference.time_hf_decode(hf, b, n, 5)
+            if kind == "d"
+            else hf_reference.time_hf_prefill(hf, b, n, 3)
+        )
+        row.ref_ms = res.get("ms")
+        print(row.case, "transformers:", json.dumps(res), flush=True)
+
+
+def _hf_config(cfg: dict) -> dict:
+    sp = cfg["sparse_attention_config"]
+    return {
+        "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"], "num_hidden_layers": cfg["num_hidden_layers"],
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu", "rotary_dim": 64,
+        "rope_parameters": {"rope_theta": 5000000.0, "partial_rotary_factor": 0.5, "rope_type": "default"},
+        "intermediate_size": 3072, "dense_intermediate_size": 12288, "shared_intermediate_size": 3072,
+        "num_local_experts": 128, "num_experts_per_tok": 4, "routed_scaling_factor": 2.0,
+        "layer_types": ["minimax_m3_sparse" if f else "full_attention" for f in sp["sparse_attention_freq"]],
+        "mlp_layer_types": ["sparse" if f else "dense" for f in cfg["moe_layer_freq"]],
+        "index_n_heads": 4, "index_head_dim": 128, "index_block_size": 128, "index_topk_blocks": 16,
+        "index_local_blocks": 1, "max_position_embeddings": 1048576, "bos_token_id": None, "eos_token_id": None,
+    }  # fmt: skip
+
+
+def markdown(rows: list[Row], command: str) -> str:
+    head = [
+        "case",
+        "ms",
+        "tok/s",
+        "GB/s (floor bytes)",
+        "TFLOP/s",
+        "fraction of floor",
+        "transformers ms",
+        "speed-up",
+    ]
+    lines = [
+        f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,117 @@
+"""Fused MoE on the GPU (Triton), next to `moe.py`'s reference: grouped GEMM over routed experts.
+
+Token-expert pairs are sorted by expert and each expert's group is padded to BLOCK_M rows
+(`align`), so one program multiplies BLOCK_M rows of one expert by a BLOCK_N slice of its
+weights; every expert's weights are read once per step however many tokens chose it. All
+shapes are static and nothing syncs with the host (CUDA-graph safe).
+
+Shapes: T tokens, A experts per token, E experts, C hidden, I expert width, M = T*A pairs,
+EM = padded pair slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from m3lm.layers.mlp import swiglu_oai
+
+
+def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, A] -> (sorted pair ids [EM] with M as padding, expert of each block [EM/BLOCK_M], EM used [1])."""
+    flat = ids.flatten()
+    m = flat.numel()
+    em = -(-(m + n_experts * (block_m - 1)) // block_m) * block_m
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.sort(flat, stable=True).indices  # pairs grouped by expert
+    experts = flat[order]
+    rank = torch.arange(m, device=ids.device) - (torch.cumsum(counts, 0) - counts)[experts]
+    sorted_ids = torch.full((em,), m, dtype=torch.int32, device=ids.device)
+    sorted_ids[(ends - padded)[experts] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, em, block_m, device=ids.device)
+    block_expert = torch.searchsorted(ends, starts, right=True).clamp(max=n_experts - 1).to(torch.int32)
+    return sorted_ids, block_expert, ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, scale_ptr,
+    M, TOP_K,
+    s_am, s_we, s_wn, s_cm,
+    N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BM >= tl.load(used_ptr):
+        return
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+    valid = pairs < M
+    rows = pairs if PAIR_ROWS else pairs // TOP_K
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, KDIM, BK):
+        kk = k0 + offs_k
+        a = tl.load(
+            a_ptr + rows[:, None].to(tl.int64) * s_am + kk[None, :],
+            mask=valid[:, None] & (kk[None, :] < KDIM),
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + e * s_we + offs_n[None, :] * s_wn + kk[:, None],
+            mask=(offs_n[None, :] < N) & (kk[:, None] < KDIM),
+            other=0.0,
+        )
+        acc += tl.dot(a, w, out_dtype=tl.float32)
+    if SCALE:
+        acc = acc * tl.load(scale_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out = c_ptr + pairs[:, None].to(tl.int64) * s_cm + offs_n[None, :]
+    tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def _gemm(a, w, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, block_m=16):
+    """c[pair] = a[row of pair] @ w[expert of pair].T (times scale[pair]) -> [M, N]."""
+    sorted_ids, block_expert, used = aligned
+    n, kdim = w.shape[1], w.shape[2]
+    c = torch.empty(m, n, device=a.device, dtype=out_dtype or a.dtype)
+    bn, bk = (64, 128) if m <= 1024 else (128, 64)
+    grid = (sorted_ids.numel() // block_m, triton.cdiv(n, bn))
+    _moe_gemm_kernel[grid](
+        a, w, c, sorted_ids, block_expert, used, scale if scale is not None else c,
+        m, top_k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        N=n, KDIM=kdim, PAIR_ROWS=pair_rows, SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return c
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """Same contract as `moe_experts_ref`: sum_a weights[t, a] * expert_{ids[t, a]}(x[t]) -> [T, C] fp32."""
+    t, a = ids.shape
+    block_m = 16 if t * a <= 1024 else 64
+    aligned = align(ids, w1.shape[0], block_m)
+    x = x.contiguous()
+    gate = _gemm(x, w1, t * a, a, aligned, pair_rows=False, block_m=block_m)  # [M, I]
+    up = _gemm(x, w3, t * a, a, aligned, pair_rows=False, block_m=block_m)
+    h = swiglu_oai(gate.float(), up.float(), alpha, limit).to(x.dtype)  # [M, I]
+    scale = weights.flatten().float().contiguous()
+    down = _gemm(
+        h, w2, t * a, a, aligned, pair_rows=True, scale=scale, out_dtype=torch.float32, block_m=block_m
+    )
+    return down.view(t, a, -1).sum(1)  # [T, C]

@@ -1,0 +1,184 @@
+"""Triton kernels for MSA decode over the paged caches (GPU), next to `msa.py`'s references.
+
+Shapes: B sequences decoding one token each, H query heads, K KV heads (= index heads),
+G = H / K, D head dim, Di index head dim, S page size (= MSA block), P pages, MAXP pages per
+sequence in the block table, k selected blocks. A sequence's keys are positions 0..len-1;
+its page i holds positions S*i .. S*i+S-1.
+
+- `index_block_scores`: [B, K, MAXP] max over each page's visible keys of iq . ik (fp32);
+  pages past the sequence are -inf.
+- `select_blocks`: per-KV-group top-k of those scores with the forced local/init blocks, the same
+  rule as `select_blocks_ref` (ties to the lower block id, -1 in unused slots; ids not sorted).
+- `paged_attention`: one query per sequence over the selected pages (or all of them: dense),
+  split over blocks for parallelism, online softmax in fp32, then a combine.
+Everything takes device tensors and does no host synchronisation (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _index_scores_kernel(
+    iq_ptr, ik_ptr, tables_ptr, lens_ptr, out_ptr,
+    s_iqb, s_iqh, s_ikp, s_iks, s_tb, s_ob, s_oh,
+    K: tl.constexpr, KP: tl.constexpr, DI: tl.constexpr, S: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    blk = tl.program_id(1)
+    length = tl.load(lens_ptr + b)
+    offs_h = tl.arange(0, KP)
+    offs_d = tl.arange(0, DI)
+    offs_s = tl.arange(0, S)
+    if blk * S < length:
+        page = tl.load(tables_ptr + b * s_tb + blk)
+        iq = tl.load(
+            iq_ptr + b * s_iqb + offs_h[:, None] * s_iqh + offs_d[None, :],
+            mask=offs_h[:, None] < K,
+            other=0.0,
+        )
+        ik = tl.load(ik_ptr + page * s_ikp + offs_s[:, None] * s_iks + offs_d[None, :])
+        s = tl.dot(iq, tl.trans(ik), out_dtype=tl.float32)  # [KP, S]
+        s = tl.where((blk * S + offs_s)[None, :] < length, s, float("-inf"))
+        best = tl.max(s, axis=1)
+    else:
+        best = tl.full([KP], float("-inf"), tl.float32)
+    tl.store(out_ptr + b * s_ob + offs_h * s_oh + blk, best, mask=offs_h < K)
+
+
+def index_block_scores(
+    iq: torch.Tensor, ik_pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+) -> torch.Tensor:
+    """iq [B, K, Di], ik_pool [P, S, Di], tables [B, MAXP] int32, lens [B] int32 -> [B, K, MAXP] fp32."""
+    b, k, di = iq.shape
+    maxp = tables.shape[1]
+    out = torch.empty(b, k, maxp, device=iq.device, dtype=torch.float32)
+    iq = iq.contiguous()
+    _index_scores_kernel[(b, maxp)](
+        iq, ik_pool, tables, lens, out,
+        iq.stride(0), iq.stride(1), ik_pool.stride(0), ik_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
+        K=k, KP=max(16, triton.next_power_of_2(k)), DI=di, S=ik_pool.shape[1],
+    )  # fmt: skip
+    return out
+
+
+def select_blocks(
+    scores: torch.Tensor, lens: torch.Tensor, block_size: int, topk: int, local: int, init: int
+) -> torch.Tensor:
+    """Per-group block selection [B, K, topk] from scores [B, K, MAXP] (-1 = unused slot)."""
+    maxp = scores.shape[-1]
+    ids = torch.arange(maxp, device=scores.device)
+    qb = ((lens - 1) // block_size)[:, None, None]  # [B, 1, 1] the query's own block
+    visible = ids <= qb
+    forced = ((ids > qb - local) | (ids < init)) & visible
+    key = scores.masked_fill(forced, float("inf")).masked_fill(~visible, float("-inf"))
+    k = min(topk, maxp)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
+    chosen = torch.where(torch.gather(visible.expand_as(key), -1, order), order, -1)
+    if k < topk:
+        chosen = torch.nn.functional.pad(chosen, (0, topk - k), value=-1)
+    return chosen.to(torch.int32)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, blocks_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
+    scale,
+    s_qb, s_qh, s_kp, s_ks, s_kh, s_tb, s_bb, s_bk,
+    s_mb, s_mk, s_ms, s_ab, s_ak, s_as, s_ag,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+    PER_SPLIT: tl.constexpr, DENSE: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + b)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    offs_s = tl.arange(0, S)
+    q = tl.load(
+        q_ptr + b * s_qb + (kh * G + offs_g)[:, None] * s_qh + offs_d[None, :],
+        mask=offs_g[:, None] < G,
+        other=0.0,
+    )
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for j in range(PER_SPLIT):
+        slot = split * PER_SPLIT + j
+        if DENSE:
+            blk = slot
+            valid = blk * S < length
+        else:
+            blk = tl.load(blocks_ptr + b * s_bb + kh * s_bk + slot)
+            valid = blk >= 0
+        if valid:
+            page = tl.load(tables_ptr + b * s_tb + blk)
+            base = page * s_kp + offs_s[:, None] * s_ks + kh * s_kh + offs_d[None, :]
+            kb = tl.load(k_ptr + base)  # [S, D]
+            s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32) * scale  # [GP, S]
+            s = tl.where((blk * S + offs_s)[None, :] < length, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            vb = tl.load(v_ptr + base)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, out_dtype=tl.float32)
+            m_i = m_new
+    row = b * s_mb + kh * s_mk + split * s_ms + offs_g
+    tl.store(m_ptr + row, m_i, mask=offs_g < G)
+    tl.store(l_ptr + row, l_i, mask=offs_g < G)
+    out = acc_ptr + b * s_ab + kh * s_ak + split * s_as + offs_g[:, None] * s_ag + offs_d[None, :]
+    tl.store(out, acc, mask=offs_g[:, None] < G)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    block_ids: torch.Tensor | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention: q [B, H, D] over pools [P, S, K, D] -> [B, H, D] in q's dtype.
+
+    With block_ids [B, K, k] only those pages (per KV group); without, every page of the sequence.
+    """
+    b, h, d = q.shape
+    n_kv = k_pool.shape[2]
+    g = h // n_kv
+    slots = block_ids.shape[-1] if block_ids is not None else tables.shape[1]
+    if splits is None:  # enough programs to fill the GPU: about two per multiprocessor
+        splits = -(-2 * _sm_count(q.device) // (b * n_kv))
+    splits = max(1, min(splits, slots))
+    per_split = -(-slots // splits)
+    splits = -(-slots // per_split)
+    if block_ids is not None and per_split * splits != slots:
+        block_ids = torch.nn.functional.pad(block_ids, (0, per_split * splits - slots), value=-1)
+    m = torch.empty(b, n_kv, splits, g, device=q.device, dtype=torch.float32)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(b, n_kv, splits, g, d, device=q.device, dtype=torch.float32)
+    blocks = block_ids if block_ids is not None else tables
+    q = q.contiguous()
+    _paged_attn_kernel[(b, n_kv, splits)](
+        q, k_pool, v_pool, tables, blocks, lens, m, l_, acc, scale,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), tables.stride(0),
+        blocks.stride(0), blocks.stride(1) if block_ids is not None else 0,
+        m.stride(0), m.stride(1), m.stride(2), acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3),
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, S=k_pool.shape[1], PER_SPLIT=per_split, DENSE=block_ids is None,
+    )  # fmt: skip
+    top = m.amax(dim=2, keepdim=True)  # [B, K, 1, G]
+    w = torch.exp(m - top).nan_to_num(0.0)  # splits that saw no key weigh nothing
+    out = (acc * w[..., None]).sum(2) / (l_ * w).sum(2)[..., None]  # [B, K, G, D]
+    return out.reshape(b, h, d).to(q.dtype)

@@ -1,0 +1,181 @@
+"""GPU paths against the CPU reference (run on a machine with an NVIDIA GPU; skipped elsewhere).
+
+The logic these kernels implement is covered on the CPU by the reference tests (test_layers,
+test_generate); here the Triton kernels, the decode path and CUDA graphs must agree with it.
+"""
+
+import pytest
+import torch
+from checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint
+from conftest import golden_params
+from safetensors.torch import load_file
+
+import m3lm
+from m3lm.cache.kv_cache import KVCache, PagedKV
+from m3lm.config import EngineConfig
+from m3lm.core import DecodeBatch, ForwardBatch
+from m3lm.engine.engine import LLMEngine
+from m3lm.kernels.moe import moe_experts_ref
+from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, select_blocks_ref
+from m3lm.layers.moe import route
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+
+
+def rel(out, ref) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def paged_case(b, h, k, d, di, s, lens, dtype, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    maxp = max(-(-n // s) for n in lens)
+    pool = sum(-(-n // s) for n in lens) + 1
+    perm = torch.randperm(pool, generator=gen)
+    tables = torch.zeros(b, maxp, dtype=torch.int32)
+    c = 0
+    for i, n in enumerate(lens):
+        m = -(-n // s)
+        tables[i, :m] = perm[c : c + m].int()
+        c += m
+    mk = lambda *shape: torch.randn(*shape, generator=gen).to(DEV, dtype)  # noqa: E731
+    return (
+        mk(pool, s, k, d),
+        mk(pool, s, k, d),
+        mk(pool, s, di),
+        mk(b, h, d),
+        mk(b, k, di),
+        tables.to(DEV),
+        torch.tensor(lens, dtype=torch.int32, device=DEV),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("h", "k", "d", "di", "s", "lens", "topk"),
+    [
+        (8, 2, 16, 16, 4, [5, 33, 70], 3),
+        (64, 4, 128, 128, 128, [100, 2048, 2049, 9000], 16),
+        (16, 2, 64, 64, 16, [1, 300], 8),
+    ],
+)
+def test_msa_decode_kernels_match_reference(dtype, h, k, d, di, s, lens, topk):
+    from m3lm.kernels import msa_triton as mt
+
+    kp, vp, ikp, q, iq, tables, lt = paged_case(len(lens), h, k, d, di, s, lens, dtype)
+    scores = mt.index_block_scores(iq, ikp, tables, lt)
+    sel = mt.select_blocks(scores, lt, s, topk, 1, 0)
+    dense = mt.paged_attention(q, kp, vp, tables, lt, d**-0.5)
+    sparse = mt.paged_attention(q, kp, vp, tables, lt, d**-0.5, sel)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for i, n in enumerate(lens):
+        pages = tables[i, : -(-n // s)].long()
+        kk, vv, ik = kp[pages].flatten(0, 1)[:n], vp[pages].flatten(0, 1)[:n], ikp[pages].flatten(0, 1)[:n]
+        pos = torch.tensor([n - 1], device=DEV)
+        ref_scores = index_block_scores_ref(iq[i : i + 1], ik, pos, s)[:, 0]
+        assert rel(scores[i, :, : ref_scores.shape[-1]], ref_scores) < tol
+        ref_sel = select_blocks_ref(ref_scores[:, None], pos, s, topk, 1, 0)[:, 0]
+        if dtype == torch.float32:
+            for g in range(k):
+                assert sorted(x for x in sel[i, g].tolist() if x >= 0) == [
+                    x for x in ref_sel[g].tolist() if x >= 0
+                ]
+        assert rel(dense[i], msa_attention_ref(q[i : i + 1], kk, vv, pos, d**-0.5)[0]) < tol
+        ref_sparse = msa_attention_ref(q[i : i + 1], kk, vv, pos, d**-0.5, sel[i][:, None].long(), s)[0]
+        assert rel(sparse[i], ref_sparse) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("t", "e", "a", "c", "i"), [(1, 8, 2, 64, 32), (37, 16, 4, 256, 96), (2000, 32, 4, 512, 256)]
+)
+def test_fused_moe_matches_reference(dtype, t, e, a, c, i):
+    from m3lm.kernels.moe_triton import moe_experts
+
+    gen = torch.Generator(device="cpu").manual_seed(t)
+    x = torch.randn(t, c, generator=gen).to(DEV, dtype)
+    w1, w3 = (torch.randn(e, i, c, generator=gen).mul(0.05).to(DEV, dtype) for _ in range(2))
+    w2 = torch.randn(e, c, i, generator=gen).mul(0.05).to(DEV, dtype)
+    weights, ids = route(torch.randn(t, e, generator=gen).to(DEV), torch.zeros(e, device=DEV), a)
+    out = moe_experts(x, weights, ids, w1, w3, w2, 1.702, 7.0)
+    ref = moe_experts_ref(x.float(), weights, ids, w1.float(), w3.float(), w2.float(), 1.702, 7.0)
+    assert rel(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    s = Spec()
+    path = tmp_path_factory.mktemp("cuda")
+    return write_checkpoint(path, to_release(hf_model(s, seed=5).state_dict(), s), release_config(s))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_path_matches_full_forward(tiny_path, dtype):
+    model, _ = m3lm.load(tiny_path, device=DEV, dtype=dtype)
+    cpu, _ = m3lm.load(tiny_path, device="cpu", dtype="float32")
+    s = model.args.index_block_size
+    lens = [30, 7, 50]
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lens]
+    cache = KVCache(model.args, 64, DEV, model.lm_head.weight.dtype)
+    tables = [list(range(i * 16, i * 16 + 16)) for i in range(3)]
+    with torch.inference_mode():
+        toks = torch.tensor([t for p in prompts for t in p[:-1]], device=DEV)
+        pos = torch.cat([torch.arange(n - 1) for n in lens]).to(DEV)
+        q_lens = [n - 1 for n in lens]
+        model.forward_batch(toks, ForwardBatch(pos, q_lens, kv=PagedKV(cache, tables, [0] * 3, q_lens)))
+        dec = DecodeBatch.build(
+            torch.tensor([n - 1 for n in lens], device=DEV),
+            torch.tensor(tables, dtype=torch.int32, device=DEV),
+            cache,
+            s,
+        )
+        out = model.decode(torch.tensor([p[-1] for p in prompts], device=DEV), dec)
+        ref = torch.stack([cpu(torch.tensor([p]))[0, -1] for p in prompts])
+    assert rel(out.cpu(), ref) < (1e-4 if dtype == "float32" else 3e-2)
+
+
+@pytest.mark.parametrize("fixture", golden_params())
+def test_golden_on_gpu(fixture):
+    exp = load_file(fixture / "expected.safetensors")
+    model, _ = m3lm.load(fixture, device=DEV, dtype="float32")
+    with torch.inference_mode():
+        logits = model(exp["prefill_64.input_ids"].to(DEV))[0].cpu()
+    assert (
+        float((logits - exp["prefill_64.logits"]).abs().max() / exp["prefill_64.logits"].abs().max()) < 1e-3
+    )
+    want = exp["greedy.output_ids"].tolist()
+    res = m3lm.generate(
+        model,
+        None,
+        exp["greedy.input_ids"][0].tolist(),
+        max_tokens=len(want),
+        temperature=0.0,
+        ignore_eos=True,
+    )
+    assert res.token_ids == want  # prefill, then graph-captured decode steps
+    bf, _ = m3lm.load(fixture, device=DEV, dtype="bfloat16")
+    with torch.inference_mode():
+        short = bf(exp["prefill_5.input_ids"].to(DEV))[0].float().cpu()
+    assert float((short - exp["prefill_5.logits"]).abs().max() / exp["prefill_5.logits"].abs().max()) < 3e-2
+
+
+def test_engine_graph_batches_match_cpu(tiny_path):
+    cpu, _ = m3lm.load(tiny_path, device="cpu", dtype="float32")
+    gpu, _ = m3lm.load(tiny_path, device=DEV, dtype="float32")
+    prompts = [
+        torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (3, 17, 40, 9, 25)
+    ]
+    params = m3lm.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    def run(model):
+        engine = LLMEngine(model, None, EngineConfig(max_num_seqs=8, max_model_len=128))
+        seqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        return [s.output_ids for s in seqs], engine
+
+    want, _ = run(cpu)
+    got, engine = run(gpu)
+    assert got == want
+    assert engine.graphs is not None and engine.graphs._graphs  # decode steps went through graphs
