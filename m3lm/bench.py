@@ -223,7 +223,7 @@ def _compare(cfg: dict, args, rows: list[Row]) -> None:
             if kind == "d"
             else hf_reference.time_hf_prefill(hf, b, n, 3)
         )
-        row.ref_ms = res.get("ms")
+        row.ref_ms = res.get("median_ms", res.get("ms"))
         print(row.case, "transformers:", json.dumps(res), flush=True)
 
 
