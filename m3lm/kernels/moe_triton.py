@@ -43,7 +43,7 @@ def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, scale_ptr,
     M, TOP_K,
     s_am, s_we, s_wn, s_cm,
-    N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr,
+    N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -69,7 +69,7 @@ def _moe_gemm_kernel(
             mask=(offs_n[None, :] < N) & (kk[:, None] < KDIM),
             other=0.0,
         )
-        acc += tl.dot(a, w, out_dtype=tl.float32)
+        acc += tl.dot(a, w, out_dtype=tl.float32, input_precision=PREC)
     if SCALE:
         acc = acc * tl.load(scale_ptr + pairs, mask=valid, other=0.0)[:, None]
     out = c_ptr + pairs[:, None].to(tl.int64) * s_cm + offs_n[None, :]
@@ -86,7 +86,7 @@ def _gemm(a, w, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, 
     _moe_gemm_kernel[grid](
         a, w, c, sorted_ids, block_expert, used, scale if scale is not None else c,
         m, top_k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        N=n, KDIM=kdim, PAIR_ROWS=pair_rows, SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
+        N=n, KDIM=kdim, PAIR_ROWS=pair_rows, PREC="ieee" if a.dtype == torch.float32 else "tf32", SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
         num_warps=4, num_stages=3,
     )  # fmt: skip
     return c

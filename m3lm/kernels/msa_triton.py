@@ -60,7 +60,8 @@ def index_block_scores(
     _index_scores_kernel[(b, maxp)](
         iq, ik_pool, tables, lens, out,
         iq.stride(0), iq.stride(1), ik_pool.stride(0), ik_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
-        K=k, KP=max(16, triton.next_power_of_2(k)), DI=di, S=ik_pool.shape[1],
+        K=k, KP=max(16, triton.next_power_of_2(k)), DI=di, DIP=_pad(di), S=ik_pool.shape[1],
+        SP=_pad(ik_pool.shape[1]), PREC=_precision(iq),
     )  # fmt: skip
     return out
 
@@ -89,24 +90,25 @@ def _paged_attn_kernel(
     scale,
     s_qb, s_qh, s_kp, s_ks, s_kh, s_tb, s_bb, s_bk,
     s_mb, s_mk, s_ms, s_ab, s_ak, s_as, s_ag,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-    PER_SPLIT: tl.constexpr, DENSE: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+    PER_SPLIT: tl.constexpr, DENSE: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens_ptr + b)
     offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
-    offs_s = tl.arange(0, S)
+    offs_d = tl.arange(0, DP)
+    offs_s = tl.arange(0, SP)
+    d_ok = offs_d[None, :] < D
     q = tl.load(
         q_ptr + b * s_qb + (kh * G + offs_g)[:, None] * s_qh + offs_d[None, :],
-        mask=offs_g[:, None] < G,
+        mask=(offs_g[:, None] < G) & d_ok,
         other=0.0,
     )
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
     for j in range(PER_SPLIT):
         slot = split * PER_SPLIT + j
         if DENSE:
@@ -118,21 +120,34 @@ def _paged_attn_kernel(
         if valid:
             page = tl.load(tables_ptr + b * s_tb + blk)
             base = page * s_kp + offs_s[:, None] * s_ks + kh * s_kh + offs_d[None, :]
-            kb = tl.load(k_ptr + base)  # [S, D]
-            s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32) * scale  # [GP, S]
-            s = tl.where((blk * S + offs_s)[None, :] < length, s, float("-inf"))
+            kv_ok = (offs_s[:, None] < S) & d_ok
+            kb = tl.load(k_ptr + base, mask=kv_ok, other=0.0)  # [SP, DP]
+            s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32, input_precision=PREC) * scale  # [GP, SP]
+            s = tl.where((offs_s[None, :] < S) & ((blk * S + offs_s)[None, :] < length), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
-            vb = tl.load(v_ptr + base)
+            vb = tl.load(v_ptr + base, mask=kv_ok, other=0.0)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, out_dtype=tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(vb.dtype), vb, out_dtype=tl.float32, input_precision=PREC
+            )
             m_i = m_new
     row = b * s_mb + kh * s_mk + split * s_ms + offs_g
     tl.store(m_ptr + row, m_i, mask=offs_g < G)
     tl.store(l_ptr + row, l_i, mask=offs_g < G)
     out = acc_ptr + b * s_ab + kh * s_ak + split * s_as + offs_g[:, None] * s_ag + offs_d[None, :]
-    tl.store(out, acc, mask=offs_g[:, None] < G)
+    tl.store(out, acc, mask=(offs_g[:, None] < G) & d_ok)
+
+
+def _pad(n: int) -> int:
+    """Tile extent for n: a power of two, at least 16 (the matrix units' smallest K)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _precision(t: torch.Tensor) -> str:
+    """fp32 inputs multiply in full fp32 (the reference's precision), not tf32."""
+    return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
 def _sm_count(device: torch.device) -> int:
@@ -176,7 +191,8 @@ def paged_attention(
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), tables.stride(0),
         blocks.stride(0), blocks.stride(1) if block_ids is not None else 0,
         m.stride(0), m.stride(1), m.stride(2), acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, S=k_pool.shape[1], PER_SPLIT=per_split, DENSE=block_ids is None,
+        G=g, GP=_pad(g), D=d, DP=_pad(d), S=k_pool.shape[1], SP=_pad(k_pool.shape[1]), PER_SPLIT=per_split,
+        DENSE=block_ids is None, PREC=_precision(q),
     )  # fmt: skip
     top = m.amax(dim=2, keepdim=True)  # [B, K, 1, G]
     w = torch.exp(m - top).nan_to_num(0.0)  # splits that saw no key weigh nothing

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+@functools.cache
+def _inv_freq(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """Computed on the CPU (bitwise the reference's) and moved once; reused inside CUDA graphs."""
+    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    return inv.to(device)
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, R/2] in fp32 for absolute positions [T]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, R/2]
+    inv_freq = _inv_freq(rotary_dim, float(theta), positions.device)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, R/2]
     return angles.cos(), angles.sin()
 
 
