@@ -25,24 +25,30 @@ import triton.language as tl
 def _index_scores_kernel(
     iq_ptr, ik_ptr, tables_ptr, lens_ptr, out_ptr,
     s_iqb, s_iqh, s_ikp, s_iks, s_tb, s_ob, s_oh,
-    K: tl.constexpr, KP: tl.constexpr, DI: tl.constexpr, S: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     blk = tl.program_id(1)
     length = tl.load(lens_ptr + b)
     offs_h = tl.arange(0, KP)
-    offs_d = tl.arange(0, DI)
-    offs_s = tl.arange(0, S)
+    offs_d = tl.arange(0, DIP)
+    offs_s = tl.arange(0, SP)
     if blk * S < length:
         page = tl.load(tables_ptr + b * s_tb + blk)
+        d_ok = offs_d[None, :] < DI
         iq = tl.load(
             iq_ptr + b * s_iqb + offs_h[:, None] * s_iqh + offs_d[None, :],
-            mask=offs_h[:, None] < K,
+            mask=(offs_h[:, None] < K) & d_ok,
             other=0.0,
         )
-        ik = tl.load(ik_ptr + page * s_ikp + offs_s[:, None] * s_iks + offs_d[None, :])
-        s = tl.dot(iq, tl.trans(ik), out_dtype=tl.float32)  # [KP, S]
-        s = tl.where((blk * S + offs_s)[None, :] < length, s, float("-inf"))
+        ik = tl.load(
+            ik_ptr + page * s_ikp + offs_s[:, None] * s_iks + offs_d[None, :],
+            mask=(offs_s[:, None] < S) & d_ok,
+            other=0.0,
+        )
+        s = tl.dot(iq, tl.trans(ik), out_dtype=tl.float32, input_precision=PREC)  # [KP, SP]
+        s = tl.where((offs_s[None, :] < S) & ((blk * S + offs_s)[None, :] < length), s, float("-inf"))
         best = tl.max(s, axis=1)
     else:
         best = tl.full([KP], float("-inf"), tl.float32)
