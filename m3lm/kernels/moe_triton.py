@@ -76,18 +76,18 @@ def _moe_gemm_kernel(
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-def _gemm(a, w, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, block_m=16):
+def _gemm(a, w, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, block_m=16, config=None):
     """c[pair] = a[row of pair] @ w[expert of pair].T (times scale[pair]) -> [M, N]."""
     sorted_ids, block_expert, used = aligned
     n, kdim = w.shape[1], w.shape[2]
     c = torch.empty(m, n, device=a.device, dtype=out_dtype or a.dtype)
-    bn, bk = (64, 128) if m <= 1024 else (128, 64)
+    bn, bk, warps, stages = config or ((64, 128, 4, 3) if m <= 1024 else (128, 64, 4, 3))
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, bn))
     _moe_gemm_kernel[grid](
         a, w, c, sorted_ids, block_expert, used, scale if scale is not None else c,
         m, top_k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         N=n, KDIM=kdim, PAIR_ROWS=pair_rows, PREC="ieee" if a.dtype == torch.float32 else "tf32", SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
-        num_warps=4, num_stages=3,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return c
 

@@ -124,3 +124,40 @@ def _block_keep(block_ids: torch.Tensor, tk: int, block_size: int) -> torch.Tens
     mask.scatter_(-1, safe, True)
     key_block = torch.arange(tk, device=block_ids.device) // block_size
     return mask[..., key_block]  # [K, Tc, Tk]
+
+
+def msa_attention_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    block_ids: torch.Tensor | None = None,
+    block_size: int = 0,
+) -> torch.Tensor:
+    """`msa_attention_ref` on PyTorch's fused attention (flash / memory-efficient kernels).
+
+    Each KV group is one batch entry of G query heads; the causal and block masks are built per
+    query chunk ([K, 1, Tc, Tk] booleans), so memory stays bounded. A prefill from position 0
+    with no block selection takes the causal flash path with no mask at all.
+    """
+    t_len, n_heads, d = q.shape
+    tk, n_kv, _ = k.shape
+    g = n_heads // n_kv
+    qg = q.view(t_len, n_kv, g, d).permute(1, 2, 0, 3)  # [K, G, T, D]
+    kg = k.permute(1, 0, 2)[:, None].expand(n_kv, g, tk, d)  # [K, G, Tk, D]
+    vg = v.permute(1, 0, 2)[:, None].expand(n_kv, g, tk, d)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if block_ids is None and tk == t_len:
+        out = sdpa(qg, kg, vg, is_causal=True, scale=scale)  # positions 0..T-1 against themselves
+        return out.permute(2, 0, 1, 3).reshape(t_len, n_heads, d)
+    key_pos = torch.arange(tk, device=q.device)
+    out = torch.empty_like(qg)
+    step = max(1, (1 << 28) // max(1, n_kv * tk))
+    for s in range(0, t_len, step):
+        keep = (key_pos[None, :] <= q_pos[s : s + step, None])[None]  # [1, Tc, Tk]
+        if block_ids is not None:
+            keep = keep & _block_keep(block_ids[:, s : s + step], tk, block_size)  # [K, Tc, Tk]
+        mask = keep.expand(n_kv, -1, -1)[:, None]  # [K, 1, Tc, Tk]
+        out[:, :, s : s + step] = sdpa(qg[:, :, s : s + step], kg, vg, attn_mask=mask, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(t_len, n_heads, d)

@@ -19,11 +19,17 @@ from torch import nn
 from m3lm.config import ModelArgs
 from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.kernels.moe import moe_experts, moe_experts_ref
-from m3lm.kernels.msa import msa_attention_ref, msa_select_ref
+from m3lm.kernels.msa import msa_attention_ref, msa_attention_sdpa, msa_select_ref
 from m3lm.layers.mlp import MLP
 from m3lm.layers.moe import route
 from m3lm.layers.norm import RMSNorm
 from m3lm.layers.rotary import apply_rope, rope_cos_sin
+
+
+def _attention(q, k, v, pos, scale, block_ids=None, block_size=0) -> torch.Tensor:
+    """Fused attention kernels on the GPU, the plain reference on the CPU (same function)."""
+    attend = msa_attention_sdpa if q.is_cuda else msa_attention_ref
+    return attend(q, k, v, pos, scale, block_ids, block_size)
 
 
 class Attention(nn.Module):
@@ -80,7 +86,7 @@ class Attention(nn.Module):
             if batch.kv is not None:
                 ks, vs = batch.kv.update(self.layer_idx, seq, ks, vs)  # [Tk, K, D]
             if not self.sparse:
-                outs.append(msa_attention_ref(q[rows], ks, vs, pos, self.scale))
+                outs.append(_attention(q[rows], ks, vs, pos, self.scale))
                 continue
             iks = ik[rows]
             if batch.kv is not None:
@@ -95,14 +101,14 @@ class Attention(nn.Module):
         limit = int(dense_window * topk * block_size) if dense_window else 0
         dense = pos < limit  # [n]
         if bool(dense.all()):
-            return msa_attention_ref(q, k, v, pos, self.scale)
+            return _attention(q, k, v, pos, self.scale)
         if bool(dense.any()):
             out = torch.empty_like(q)
-            out[dense] = msa_attention_ref(q[dense], k, v, pos[dense], self.scale)
+            out[dense] = _attention(q[dense], k, v, pos[dense], self.scale)
             out[~dense] = self._sparse(q[~dense], k, v, pos[~dense], iq[~dense], ik, None)
             return out
         block_ids = msa_select_ref(iq, ik, pos, *self.msa)  # [K, n, k], or None when exactly dense
-        return msa_attention_ref(q, k, v, pos, self.scale, block_ids, block_size)
+        return _attention(q, k, v, pos, self.scale, block_ids, block_size)
 
     def decode(self, x: torch.Tensor, dec: DecodeBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One new token per sequence over the paged caches (GPU kernels; no host sync): [B, C] -> [B, C]."""
