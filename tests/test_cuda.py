@@ -179,3 +179,24 @@ def test_engine_graph_batches_match_cpu(tiny_path):
     got, engine = run(gpu)
     assert got == want
     assert engine.graphs is not None and engine.graphs._graphs  # decode steps went through graphs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_elementwise_kernels_match_reference(dtype):
+    from m3lm.kernels import fused
+    from m3lm.layers.mlp import swiglu_oai_ref
+    from m3lm.layers.norm import rms_norm_ref
+    from m3lm.layers.rotary import apply_rope_ref, rope_cos_sin
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for shape in [(3, 64), (5, 4, 128), (2, 6144)]:
+        x = torch.randn(*shape, generator=gen).to(DEV, dtype)
+        w = torch.randn(shape[-1], generator=gen).to(DEV, dtype)
+        assert rel(fused.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)) < tol
+    for t, n, d, r in [(7, 8, 128, 64), (1, 64, 128, 64), (9, 2, 16, 8), (4, 3, 96, 32)]:
+        x = torch.randn(t, n, d, generator=gen).to(DEV, dtype)
+        cos, sin = rope_cos_sin(torch.randint(0, 10**6, (t,)).to(DEV), r, 5e6)
+        assert rel(fused.apply_rope(x, cos, sin), apply_rope_ref(x, cos, sin)) < tol
+    g, u = (torch.randn(37, 3072, generator=gen).mul(5).to(DEV, dtype) for _ in range(2))
+    assert rel(fused.swiglu_oai(g, u, 1.702, 7.0), swiglu_oai_ref(g, u, 1.702, 7.0)) < tol

@@ -23,6 +23,14 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tupl
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate channels [0, R) of x [T, n, D]; channels [R, D) pass through. Math in fp32."""
+    if x.is_cuda:
+        from m3lm.kernels import fused
+
+        return fused.apply_rope(x, cos, sin)
+    return apply_rope_ref(x, cos, sin)
+
+
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = cos.shape[-1]
     cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R/2]
     x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
