@@ -187,7 +187,12 @@ def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
 
     ms = _time(step, iters)
     a = model.args
-    attn = sum(min(length, a.dense_window if sp else length) for sp in a.sparse_layers) * length
+
+    def keys(window: int) -> float:  # sum over queries t of the keys attended, min(t + 1, window)
+        w = min(window, length)
+        return w * (w + 1) / 2 + (length - w) * w
+
+    attn = sum(keys(a.dense_window if sp else length) for sp in a.sparse_layers)
     lm_head = 2 * a.hidden_size * a.vocab_size  # logits of the last position only
     flops = (
         2 * _active_params(model, with_lm_head=False) * length
