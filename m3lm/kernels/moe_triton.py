@@ -81,7 +81,10 @@ def _gemm(a, w, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, 
     sorted_ids, block_expert, used = aligned
     n, kdim = w.shape[1], w.shape[2]
     c = torch.empty(m, n, device=a.device, dtype=out_dtype or a.dtype)
-    bn, bk, warps, stages = config or ((64, 128, 4, 3) if m <= 1024 else (128, 64, 4, 3))
+    # Tiles from benchmarks/moe_configs.py on the H200 (release dimensions): wide K for few rows.
+    if config is None:
+        config = (64, 256, 4, 3) if m <= 64 else (128, 128, 4, 4) if m <= 1024 else (128, 64, 4, 3)
+    bn, bk, warps, stages = config
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, bn))
     _moe_gemm_kernel[grid](
         a, w, c, sorted_ids, block_expert, used, scale if scale is not None else c,
