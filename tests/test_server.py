@@ -260,15 +260,26 @@ def test_disconnect_mid_stream_frees_pages(live):
 
 def test_disconnect_during_non_streamed_request(live):
     wait_idle(live.engine)
-    body = {"model": NAME, "prompt": "once", "max_tokens": 250, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            live.url + "/v1/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {API_KEY}"},
-            timeout=0.5,
-        )
-    wait_idle(live.engine)
+    runner = live.engine.engine.runner
+    real = runner.run
+
+    def slow(*a, **k):  # at least 2.5 s for the request: the client gives up long before
+        time.sleep(0.01)
+        return real(*a, **k)
+
+    runner.run = slow
+    try:
+        body = {"model": NAME, "prompt": "once", "max_tokens": 250, "temperature": 0, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                live.url + "/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {API_KEY}"},
+                timeout=0.5,
+            )
+        wait_idle(live.engine)
+    finally:
+        runner.run = real
 
 
 class Script:
