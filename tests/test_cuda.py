@@ -180,7 +180,9 @@ def test_engine_graph_batches_match_cpu(tiny_path):
     want, _ = run(cpu)
     got, engine = run(gpu)
     assert got == want
-    assert engine.graphs is not None and engine.graphs._graphs  # decode steps went through graphs
+    assert (
+        engine.runner.graphs is not None and engine.runner.graphs._graphs
+    )  # decode steps went through graphs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

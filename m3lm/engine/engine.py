@@ -78,13 +78,13 @@ class LLMEngine:
         self.cache = KVCache(args, num_pages + 1, self.device, weight.dtype)
         self.blocks = BlockManager(num_pages, page)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, config.msa_dense_window)
-        self.graphs = None
+        graphs = None
         if self.device.type == "cuda" and config.cuda_graphs and config.msa_dense_window is None:
             from m3lm.engine.cuda_graphs import DecodeGraphs
 
             max_pages = -(-self.max_model_len // page)
-            self.graphs = DecodeGraphs(model, self.cache, min(config.max_num_seqs, 256), max_pages, num_pages)
+            graphs = DecodeGraphs(model, self.cache, min(config.max_num_seqs, 256), max_pages, num_pages)
+        self.runner = ModelRunner(model, self.cache, config.msa_dense_window, graphs)
         self.sampler = Sampler()
         self.eos_ids = eos_ids_of(tokenizer, self.generation_config)
         self.requests: dict[str, Sequence] = {}
@@ -148,15 +148,7 @@ class LLMEngine:
         if not plan:
             return []
         tables = [self.blocks.table(seq.seq_id) for seq, _ in plan]
-        decode_only = all(n == 1 and s.num_cached == s.num_tokens - 1 for s, n in plan)
-        if self.graphs is not None and decode_only and len(plan) <= self.graphs.max_batch:
-            ready = [s for s, _ in plan]  # a pure decode step: replay a captured graph
-            last = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in ready]
-            logits = self.graphs.run(last, [s.num_cached for s in ready], tables)
-            for s in ready:
-                s.num_cached += 1
-        else:
-            ready, logits = self.runner.run(plan, tables)
+        ready, logits = self.runner.run(plan, tables)
         if not ready:
             return []
         out = self.sampler(

@@ -11,8 +11,9 @@ from m3lm.models.minimax_m3 import MiniMaxM3
 
 
 class ModelRunner:
-    def __init__(self, model: MiniMaxM3, cache: KVCache, msa_dense_window: float | None = None):
+    def __init__(self, model: MiniMaxM3, cache: KVCache, msa_dense_window: float | None = None, graphs=None):
         self.model, self.cache, self.msa_dense_window = model, cache, msa_dense_window
+        self.graphs = graphs  # DecodeGraphs on a GPU
         self.device = model.lm_head.weight.device
 
     @torch.inference_mode()
@@ -21,6 +22,9 @@ class ModelRunner:
     ) -> tuple[list[Sequence], torch.Tensor]:
         """Compute `n` new positions of each planned sequence; returns the sequences that reached
         their last known token (they sample next) and their fp32 logits [R, V]."""
+        decode_only = all(n == 1 and s.num_cached == s.num_tokens - 1 for s, n in plan)
+        if self.graphs is not None and decode_only and len(plan) <= self.graphs.max_batch:
+            return self._decode(plan, tables)
         tokens, positions, q_lens, starts, rows, ready = [], [], [], [], [], []
         offset = 0
         for seq, n in plan:
@@ -44,6 +48,15 @@ class ModelRunner:
         logits = self.model.forward_batch(ids, batch, torch.tensor(rows, dtype=torch.long, device=dev))
         for seq, n in plan:
             seq.num_cached += n
+        return ready, logits
+
+    def _decode(self, plan, tables) -> tuple[list[Sequence], torch.Tensor]:
+        """One new token per sequence: replay the captured graph of the batch's bucket."""
+        ready = [s for s, _ in plan]
+        last = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in ready]
+        logits = self.graphs.run(last, [s.num_cached for s in ready], tables)
+        for s in ready:
+            s.num_cached += 1
         return ready, logits
 
 
