@@ -202,6 +202,31 @@ def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
     return Row(f"prefill B=1 T={length}", ms, length, _weights_bytes(model, length), flops)
 
 
+def bench_attention(model: MiniMaxM3, length: int, iters: int) -> Row:
+    """One sparse layer's attention at `length` tokens: the block-sparse Triton prefill kernel over
+    a per-group selection (from random index scores) against dense causal flash attention (SDPA)."""
+    from m3lm.kernels.msa import select_blocks_ref
+    from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
+
+    a = model.args
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    h, k, d, s = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.index_block_size
+    q = torch.randn(length, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kk, vv = (torch.randn(length, k, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    pos = torch.arange(length, device="cuda")
+    n_blocks = math.ceil(length / s)
+    scores = torch.randn(k, length, n_blocks, device="cuda", generator=gen)
+    sel = select_blocks_ref(scores, pos, s, a.index_topk_blocks, a.index_local_blocks, a.index_init_blocks)
+    ms = _time(lambda: msa_prefill_attention(q, kk, vv, pos, d**-0.5, sel, s), iters)
+    qd = q.permute(1, 0, 2)[None]
+    kd, vd = (t.permute(1, 0, 2)[None].repeat_interleave(h // k, dim=1) for t in (kk, vv))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    dense_ms = _time(lambda: sdpa(qd, kd, vd, is_causal=True), iters)
+    keys = sum(min(t + 1, a.dense_window) for t in range(0, length, 64)) * 64
+    flops = 4 * keys * h * d
+    return Row(f"MSA attention T={length} (vs dense flash)", ms, length, 0.0, flops, ref_ms=dense_ms)
+
+
 def run(args) -> list[Row]:
     torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.time()
@@ -214,6 +239,9 @@ def run(args) -> list[Row]:
     for t in args.prefill:
         rows.append(bench_prefill(model, t, max(3, args.iters // 5)))
         print(" | ".join(rows[-1].cells()), flush=True)
+    for t in args.attention:
+        rows.append(bench_attention(model, t, max(3, args.iters // 5)))
+        print(" | ".join(rows[-1].cells()), "(reference column: dense flash)", flush=True)
     cfg = release_slice_config(args.layers)
     del model
     torch.cuda.empty_cache()

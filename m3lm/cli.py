@@ -168,6 +168,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     args.decode = [tuple(int(x) for x in item.lower().split("x")) for item in args.decode.split(",") if item]
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
+    args.attention = [int(x) for x in args.attention.split(",") if x]
     rows = bench.run(args)
     report = bench.markdown(rows, "m3lm " + " ".join(sys.argv[1:]))
     print(report)
@@ -238,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--layers", type=int, default=4)
     bn.add_argument("--decode", default="1x4096,16x2048,64x1024,1x131072", help="BxCTX,... decode cases")
     bn.add_argument("--prefill", default="4096,8192", help="prefill lengths (batch 1)")
+    bn.add_argument("--attention", default="", help="MSA attention lengths to time against dense flash")
     bn.add_argument("--iters", type=int, default=20)
     bn.add_argument("--compare-transformers", action="store_true")
     bn.add_argument("--out", default=None, help="append the Markdown report to this file")

@@ -1,0 +1,100 @@
+"""The Triton kernels against their references on the CPU, through Triton's interpreter.
+
+Run as a script (TRITON_INTERPRET must be set before Triton is imported); `test_kernels_interpreted`
+does that in a subprocess. Exits non-zero on the first mismatch.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+from m3lm.kernels import fused, msa_triton
+from m3lm.kernels.moe import moe_experts_ref
+from m3lm.kernels.moe_triton import moe_experts
+from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
+from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
+from m3lm.layers.mlp import swiglu_oai_ref
+from m3lm.layers.moe import route
+from m3lm.layers.norm import rms_norm_ref
+from m3lm.layers.rotary import apply_rope_ref, rope_cos_sin
+
+
+def close(a, b, tol=1e-4):
+    err = float((a - b).abs().max())
+    assert err < tol, err
+
+
+def decode_kernels():
+    b, h, k, d, di, s, pool = 3, 8, 2, 16, 16, 4, 60
+    lens = torch.tensor([5, 30, 41], dtype=torch.int32)
+    maxp = 11
+    perm = torch.randperm(pool)
+    tables = torch.zeros(b, maxp, dtype=torch.int32)
+    c = 0
+    for i, n in enumerate(lens.tolist()):
+        m = -(-n // s)
+        tables[i, :m] = perm[c : c + m].int()
+        c += m
+    kp, vp, ikp = torch.randn(pool, s, k, d), torch.randn(pool, s, k, d), torch.randn(pool, s, di)
+    q, iq = torch.randn(b, h, d), torch.randn(b, k, di)
+    scores = msa_triton.index_block_scores(iq, ikp, tables, lens)
+    sel = msa_triton.select_blocks(scores, lens, s, 3, 1, 0)
+    dense = msa_triton.paged_attention(q, kp, vp, tables, lens, 0.25)
+    sparse = msa_triton.paged_attention(q, kp, vp, tables, lens, 0.25, sel, splits=2)
+    for i, n in enumerate(lens.tolist()):
+        pages = tables[i, : -(-n // s)].long()
+        kk, vv, ik = kp[pages].flatten(0, 1)[:n], vp[pages].flatten(0, 1)[:n], ikp[pages].flatten(0, 1)[:n]
+        pos = torch.tensor([n - 1])
+        ref_scores = index_block_scores_ref(iq[i : i + 1], ik, pos, s)[:, 0]
+        close(scores[i, :, : ref_scores.shape[-1]], ref_scores)
+        ref_sel = select_blocks_ref(ref_scores[:, None], pos, s, 3, 1, 0)[:, 0]
+        for g in range(k):
+            assert sorted(x for x in sel[i, g].tolist() if x >= 0) == [
+                x for x in ref_sel[g].tolist() if x >= 0
+            ]
+        close(dense[i], msa_attention_ref(q[i : i + 1], kk, vv, pos, 0.25)[0])
+        close(sparse[i], msa_attention_ref(q[i : i + 1], kk, vv, pos, 0.25, ref_sel[:, None], s)[0])
+
+
+def prefill_kernel():
+    for t_len, tk, h, k, d, s, topk in [
+        (33, 61, 8, 2, 16, 4, 3),
+        (64, 64, 16, 2, 16, 8, 4),
+        (30, 70, 8, 2, 16, 16, 2),
+    ]:
+        q, kk, vv = torch.randn(t_len, h, d), torch.randn(tk, k, d), torch.randn(tk, k, d)
+        pos = torch.arange(tk - t_len, tk)
+        sel = msa_select_ref(torch.randn(t_len, k, d), torch.randn(tk, d), pos, s, topk, 1, 0)
+        close(
+            msa_prefill_attention(q, kk, vv, pos, 0.3, sel, s), msa_attention_ref(q, kk, vv, pos, 0.3, sel, s)
+        )
+        close(msa_prefill_attention(q, kk, vv, pos, 0.3, None, s), msa_attention_ref(q, kk, vv, pos, 0.3))
+
+
+def moe_kernel():
+    for t, e, a, c, i in [(1, 8, 2, 64, 32), (9, 6, 3, 48, 40), (40, 8, 2, 64, 32)]:
+        x = torch.randn(t, c)
+        w1, w3, w2 = torch.randn(e, i, c) * 0.1, torch.randn(e, i, c) * 0.1, torch.randn(e, c, i) * 0.1
+        weights, ids = route(torch.randn(t, e), torch.zeros(e), a)
+        close(
+            moe_experts(x, weights, ids, w1, w3, w2, 1.702, 7.0),
+            moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0),
+        )
+
+
+def elementwise_kernels():
+    x, w = torch.randn(5, 3, 24), torch.randn(24)
+    close(fused.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    cos, sin = rope_cos_sin(torch.tensor([0, 3, 100, 7, 9]), 8, 10000.0)
+    close(fused.apply_rope(x, cos, sin), apply_rope_ref(x, cos, sin))
+    g, u = torch.randn(7, 33) * 5, torch.randn(7, 33) * 5
+    close(fused.swiglu_oai(g, u, 1.702, 7.0), swiglu_oai_ref(g, u, 1.702, 7.0))
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    for check in (decode_kernels, prefill_kernel, moe_kernel, elementwise_kernels):
+        check()
+        print(check.__name__, "ok", flush=True)
