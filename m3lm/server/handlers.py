@@ -12,7 +12,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -22,11 +22,11 @@ from starlette.concurrency import run_in_threadpool
 from m3lm.core import SamplingParams
 from m3lm.engine.async_engine import AsyncEngine, EngineDead, QueueFull, RequestStream
 from m3lm.engine.engine import StepOutput
+from m3lm.server.choice import Choice, completion_logprobs, token_logprobs, usage
 from m3lm.server.metrics import Metrics
-from m3lm.server.parsers import finish_reason, plan_tool_choice, template_messages
+from m3lm.server.parsers import plan_tool_choice, template_messages
 from m3lm.server.protocol import ChatCompletionRequest, CompletionRequest, Limits, error_body
-from m3lm.server.reasoning import ReplyFormat, ReplyParser, detect_thinking_mode, to_openai_delta
-from m3lm.server.tools import ContentDelta
+from m3lm.server.reasoning import ReplyFormat, ReplyParser, detect_thinking_mode
 
 
 class ApiError(Exception):
@@ -125,94 +125,6 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StepOu
         _abort(streams)
 
 
-@dataclass
-class Choice:
-    """Text state of one choice: reply parsing, answer-only stop strings, logprobs."""
-
-    index: int
-    parser: ReplyParser | None
-    stops: Any = None
-    content: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    tokens: int = 0
-    logprobs: list[dict] = field(default_factory=list)
-    finish: str | None = None
-    stopped_by_string: bool = False
-
-    def consume(self, out: StepOutput) -> list[dict]:
-        """Deltas for one engine output (each delta is one kind only)."""
-        self.tokens += len(out.new_token_ids)
-        if self.parser is None:
-            events: list = [ContentDelta(out.new_text)] if out.new_text else []
-        else:
-            events = []
-            for j, tid in enumerate(out.new_token_ids):
-                events += self.parser.feed(tid, out.new_text if j == len(out.new_token_ids) - 1 else "")
-            if out.finished:
-                events += self.parser.finish()
-        deltas = []
-        for ev in events:
-            if isinstance(ev, ContentDelta) and self.stops is not None:
-                text, hit = self.stops.feed(ev.text)
-                if hit:
-                    self.stopped_by_string = True
-                if text:
-                    deltas.append(self._content(text))
-                if hit:
-                    break
-                continue
-            deltas.append(self._delta(ev))
-        if (
-            out.finished
-            and self.stops is not None
-            and not self.stopped_by_string
-            and (rest := self.stops.flush())
-        ):
-            deltas.append(self._content(rest))
-        if self.stopped_by_string:
-            self.finish = "stop"
-        elif out.finished:
-            self.finish = finish_reason(
-                self.parser.tool_calls if self.parser else [], out.finish_reason or "stop"
-            )
-        return deltas
-
-    def _content(self, text: str) -> dict:
-        self.content.append(text)
-        return {"content": text}
-
-    def _delta(self, ev) -> dict:
-        d = to_openai_delta(ev)
-        if "content" in d:
-            self.content.append(d["content"])
-        elif "reasoning" in d:
-            self.reasoning.append(d["reasoning"])
-        return d
-
-    def message(self) -> dict:
-        calls = self.parser.tool_calls if self.parser else []
-        msg: dict[str, Any] = {
-            "role": "assistant",
-            "content": "".join(self.content) or (None if calls else ""),
-        }
-        if self.reasoning:
-            msg["reasoning_content"] = msg["reasoning"] = "".join(self.reasoning)
-        if calls:
-            msg["tool_calls"] = [c.to_openai() for c in calls]
-        return msg
-
-
-def _token_logprobs(tokenizer, out: StepOutput) -> list[dict]:
-    def entry(tid: int, lp: float) -> dict:
-        text = tokenizer.decode([tid]) if tokenizer is not None else str(tid)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-    return [
-        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-        for lp in out.new_logprobs
-    ]
-
-
 async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     tok = state.tokenizer
     if tok is None or not tok.has_chat_template:
@@ -298,7 +210,7 @@ async def _respond(state, req, request, streams, choices, prompt_tokens, chat: b
             _abort(streams)
             raise ApiError(499, "client disconnected")
     task.result()
-    usage = _usage(prompt_tokens, choices)
+    totals = usage(prompt_tokens, choices)
     if chat:
         body = [
             {
@@ -315,13 +227,13 @@ async def _respond(state, req, request, streams, choices, prompt_tokens, chat: b
             "created": created,
             "model": state.model_name,
             "choices": body,
-            "usage": usage,
+            "usage": totals,
         }
     body = [
         {
             "index": c.index,
             "text": "".join(c.content),
-            "logprobs": _completion_logprobs(c),
+            "logprobs": completion_logprobs(c),
             "finish_reason": c.finish,
         }
         for c in choices
@@ -332,26 +244,7 @@ async def _respond(state, req, request, streams, choices, prompt_tokens, chat: b
         "created": created,
         "model": state.model_name,
         "choices": body,
-        "usage": usage,
-    }
-
-
-def _usage(prompt_tokens: int, choices: list[Choice]) -> dict:
-    completion = sum(c.tokens for c in choices)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
-    }
-
-
-def _completion_logprobs(c: Choice) -> dict | None:
-    if not c.logprobs:
-        return None
-    return {
-        "tokens": [e["token"] for e in c.logprobs],
-        "token_logprobs": [e["logprob"] for e in c.logprobs],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in c.logprobs],
+        "usage": totals,
     }
 
 
@@ -362,7 +255,7 @@ async def _collect(state: ServerState, streams: list[RequestStream], choices: li
             c = choices[i]
             c.consume(out)
             if state.tokenizer is not None and out.new_logprobs:
-                c.logprobs += _token_logprobs(state.tokenizer, out)
+                c.logprobs += token_logprobs(state.tokenizer, out)
             if c.stopped_by_string:
                 streams[i].abort()
                 streams[i].finished = True
@@ -418,7 +311,7 @@ async def _stream(
             if c.finish is not None:
                 continue
             _check(out)
-            lps = _token_logprobs(state.tokenizer, out) if out.new_logprobs else []
+            lps = token_logprobs(state.tokenizer, out) if out.new_logprobs else []
             deltas = c.consume(out)
             if lps and not deltas:
                 deltas = [{}] if chat else [{"content": ""}]
@@ -426,7 +319,7 @@ async def _stream(
                 extra = {}
                 if lps and j == 0:
                     extra["logprobs"] = (
-                        {"content": lps} if chat else _completion_logprobs(Choice(0, None, logprobs=lps))
+                        {"content": lps} if chat else completion_logprobs(Choice(0, None, logprobs=lps))
                     )
                 yield chunk(i, {"delta": d, **extra} if chat else {"text": d.get("content", ""), **extra})
             if c.stopped_by_string:
@@ -441,7 +334,7 @@ async def _stream(
                     "created": created,
                     "model": state.model_name,
                     "choices": [],
-                    "usage": _usage(prompt_tokens, choices),
+                    "usage": usage(prompt_tokens, choices),
                 }
             )
     except ApiError as e:

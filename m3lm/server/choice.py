@@ -1,0 +1,119 @@
+"""The text state of one choice of a reply: reasoning and tool-call parsing, answer-only stop
+strings, logprobs, and the usage and logprob objects of the OpenAI responses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from m3lm.engine.engine import StepOutput
+from m3lm.server.parsers import finish_reason
+from m3lm.server.reasoning import ReplyParser, to_openai_delta
+from m3lm.server.tools import ContentDelta
+
+
+@dataclass
+class Choice:
+    """Text state of one choice: reply parsing, answer-only stop strings, logprobs."""
+
+    index: int
+    parser: ReplyParser | None
+    stops: Any = None
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+    finish: str | None = None
+    stopped_by_string: bool = False
+
+    def consume(self, out: StepOutput) -> list[dict]:
+        """Deltas for one engine output (each delta is one kind only)."""
+        self.tokens += len(out.new_token_ids)
+        if self.parser is None:
+            events: list = [ContentDelta(out.new_text)] if out.new_text else []
+        else:
+            events = []
+            for j, tid in enumerate(out.new_token_ids):
+                events += self.parser.feed(tid, out.new_text if j == len(out.new_token_ids) - 1 else "")
+            if out.finished:
+                events += self.parser.finish()
+        deltas = []
+        for ev in events:
+            if isinstance(ev, ContentDelta) and self.stops is not None:
+                text, hit = self.stops.feed(ev.text)
+                if hit:
+                    self.stopped_by_string = True
+                if text:
+                    deltas.append(self._content(text))
+                if hit:
+                    break
+                continue
+            deltas.append(self._delta(ev))
+        if (
+            out.finished
+            and self.stops is not None
+            and not self.stopped_by_string
+            and (rest := self.stops.flush())
+        ):
+            deltas.append(self._content(rest))
+        if self.stopped_by_string:
+            self.finish = "stop"
+        elif out.finished:
+            self.finish = finish_reason(
+                self.parser.tool_calls if self.parser else [], out.finish_reason or "stop"
+            )
+        return deltas
+
+    def _content(self, text: str) -> dict:
+        self.content.append(text)
+        return {"content": text}
+
+    def _delta(self, ev) -> dict:
+        d = to_openai_delta(ev)
+        if "content" in d:
+            self.content.append(d["content"])
+        elif "reasoning" in d:
+            self.reasoning.append(d["reasoning"])
+        return d
+
+    def message(self) -> dict:
+        calls = self.parser.tool_calls if self.parser else []
+        msg: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self.content) or (None if calls else ""),
+        }
+        if self.reasoning:
+            msg["reasoning_content"] = msg["reasoning"] = "".join(self.reasoning)
+        if calls:
+            msg["tool_calls"] = [c.to_openai() for c in calls]
+        return msg
+
+
+def token_logprobs(tokenizer, out: StepOutput) -> list[dict]:
+    def entry(tid: int, lp: float) -> dict:
+        text = tokenizer.decode([tid]) if tokenizer is not None else str(tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return [
+        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in out.new_logprobs
+    ]
+
+
+def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
+    completion = sum(c.tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+def completion_logprobs(c: Choice) -> dict | None:
+    if not c.logprobs:
+        return None
+    return {
+        "tokens": [e["token"] for e in c.logprobs],
+        "token_logprobs": [e["logprob"] for e in c.logprobs],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in c.logprobs],
+    }
