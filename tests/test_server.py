@@ -382,3 +382,16 @@ def test_the_default_model_is_served():
         assert text == m3lm.generate(model, tok, "Once upon a time", max_tokens=300, temperature=0.0).text
     finally:
         server.stop()
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(checkpoint):
+    server = start(checkpoint, api_key=None, max_model_len=128)
+    try:
+        r = httpx.post(
+            server.url + "/v1/chat/completions", json={"messages": MSG, "ignore_eos": True, "temperature": 0}
+        )
+        body = r.json()
+        assert r.status_code == 200 and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 128
+    finally:
+        server.stop()

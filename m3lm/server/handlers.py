@@ -144,7 +144,8 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
         )
         kwargs = dict(req.chat_template_kwargs or {})
         prompt_ids = await run_in_threadpool(tok.apply_chat_template, messages, tools, True, **kwargs)
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        # Unset: until the context ends, as vLLM does (the engine clamps to what is left).
+        max_tokens = req.max_completion_tokens or req.max_tokens or state.max_model_len
         params = req.sampling(state.defaults, max_tokens, req.requested_logprobs(), [])
     except ValueError as e:
         raise ApiError(400, str(e)) from None
