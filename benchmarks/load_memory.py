@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -38,62 +37,23 @@ from safetensors.torch import save_file
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from report import append_section, device  # noqa: E402
+
 from m3lm.config import ModelArgs  # noqa: E402
-from m3lm.models.minimax_m3 import MiniMaxM3, release_name  # noqa: E402
+from m3lm.models.minimax_m3 import MiniMaxM3, release_config, release_name  # noqa: E402
 
 LAYERS = 9  # layer 0 dense MLP + full attention, layers 1-8 MoE + MSA
 
 
-def text_config() -> dict:
-    """Release-style text config: bf16 weights of about 2.3 GB."""
-    n = LAYERS
-    return {
-        "model_type": "minimax_m3",
-        "architectures": ["MiniMaxM3SparseForCausalLM"],
-        "vocab_size": 32064,
-        "hidden_size": 2048,
-        "num_hidden_layers": n,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "rotary_dim": 64,
-        "partial_rotary_factor": 0.5,
-        "rope_theta": 5000000,
-        "max_position_embeddings": 1048576,
-        "rms_norm_eps": 1e-06,
-        "hidden_act": "swigluoai",
-        "swiglu_alpha": 1.702,
-        "swiglu_limit": 7.0,
-        "use_gemma_norm": True,
-        "use_qk_norm": True,
-        "qk_norm_type": "per_head",
-        "attention_output_gate": False,
-        "intermediate_size": 1024,
-        "dense_intermediate_size": 8192,
-        "shared_intermediate_size": 1024,
-        "n_shared_experts": 1,
-        "num_local_experts": 16,
-        "num_experts_per_tok": 4,
-        "scoring_func": "sigmoid",
-        "use_routing_bias": True,
-        "routed_scaling_factor": 2.0,
-        "norm_topk_prob": True,
-        "moe_layer_freq": [0] + [1] * (n - 1),
-        "tie_word_embeddings": False,
-        "sparse_attention_config": {
-            "use_sparse_attention": True,
-            "sparse_score_type": "max",
-            "sparse_attention_freq": [0] + [1] * (n - 1),
-            "sparse_disable_index_value": [0] + [1] * (n - 1),
-            "sparse_num_index_heads": 4,
-            "sparse_index_dim": 128,
-            "sparse_block_size": 128,
-            "sparse_topk_blocks": 16,
-            "sparse_init_block": 0,
-            "sparse_local_block": 1,
-        },
-        "num_mtp_modules": 0,
-    }
+def config() -> dict:
+    """Release-style config.json: bf16 weights of about 2.3 GB."""
+    return release_config(
+        vocab_size=32064, hidden_size=2048, num_hidden_layers=LAYERS, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=128, rotary_dim=64, rope_theta=5000000,
+        max_position_embeddings=1048576, dense_layers=1, dense_intermediate_size=8192,
+        intermediate_size=1024, shared_intermediate_size=1024, num_local_experts=16,
+        num_experts_per_tok=4, index_head_dim=128, block_size=128, topk_blocks=16, local_blocks=1,
+    )  # fmt: skip
 
 
 def release_tensors(args: ModelArgs) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -111,17 +71,11 @@ def release_tensors(args: ModelArgs) -> list[tuple[str, tuple[int, ...], torch.d
 
 def write_checkpoint(path: Path, shard_bytes: int) -> int:
     """Write config.json, the shards and the index; return the bytes of tensor data written."""
-    config = {
-        "model_type": "minimax_m3_vl",
-        "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
-        "text_config": text_config(),
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
-    (path / "config.json").write_text(json.dumps(config, indent=2))
+    cfg = config()
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     size = total = 0
-    for t in release_tensors(ModelArgs.from_dict(config)):
+    for t in release_tensors(ModelArgs.from_dict(cfg)):
         nbytes = torch.Size(t[1]).numel() * t[2].itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
@@ -169,17 +123,6 @@ def child(path: str) -> None:
     )
 
 
-def device() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    mem = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
-    ram = int(mem.split()[1]) * 1024 / 2**30
-    return f"{cpu}, {os.cpu_count()} cores, {ram:.1f} GiB RAM"
-
-
 def report(r: dict, n_shards: int, disk: int) -> str:
     gib = 2**30
     extra = r["peak"] - r["baseline"]
@@ -225,17 +168,8 @@ def main() -> None:
     table = report(result, len(shards), disk)
     print(table)
     if a.out:
-        date = datetime.now(timezone.utc).strftime("%a %b %d %H:%M:%S UTC %Y")
-        section = (
-            f"## {date}\n\n"
-            f"Command: `{command}`\n\n"
-            f"Device: {device()}; Python {platform.python_version()}, torch {torch.__version__}\n\n"
-            f"{table}\n"
-        )
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        with a.out.open("a") as f:
-            f.write(("\n" if a.out.stat().st_size else "# Checkpoint load: peak host memory\n\n") + section)
-        print(f"appended to {a.out}")
+        details = [f"Device: {device()}; Python {platform.python_version()}, torch {torch.__version__}"]
+        append_section(a.out, "Checkpoint load: peak host memory", command, details, table)
 
 
 if __name__ == "__main__":

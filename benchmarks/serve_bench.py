@@ -50,12 +50,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+from report import append_section, device
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -261,15 +261,6 @@ def make_bodies(client: httpx.Client, model: str, a: argparse.Namespace) -> list
     return [{"messages": [{"role": "user", "content": t}], **common} for t in texts]
 
 
-def device() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return f"{cpu}, {os.cpu_count()} cores"
-
-
 def table(levels: list[int], rows: list[dict[str, str]]) -> str:
     head = "| concurrency | " + " | ".join(str(c) for c in levels) + " |"
     lines = [head, "|---|" + "---:|" * len(levels)]
@@ -359,25 +350,16 @@ def main() -> None:
     result = table(a.concurrency[: len(rows)], rows)
     print(result)
     if a.out:
-        date = datetime.now(timezone.utc).strftime("%a %b %d %H:%M:%S UTC %Y")
         shape = " (the user message, before the chat template)" if a.endpoint == "chat" else ""
         served = f"`{shlex.join(server.argv)}`" if server else f"already running at {url}"
-        section = (
-            f"## {date}\n\n"
-            f"Command: `{command}`\n\n"
+        details = [
             f"Server: {served}; endpoint /v1/{a.endpoint.replace('chat', 'chat/completions')}, "
             f"{a.num_requests} requests of {a.input_len} prompt tokens{shape} -> {a.output_len} output tokens "
-            f"(ignore_eos, temperature {a.temperature}), streamed\n\n"
+            f"(ignore_eos, temperature {a.temperature}), streamed",
             f"Device: {device()}; Python {platform.python_version()}, torch {version('torch')} "
-            f"(client and server on the same machine; load average {load:.2f} at the start)\n\n"
-            f"{result}\n"
-        )
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        with a.out.open("a") as f:
-            f.write(
-                ("\n" if a.out.stat().st_size else "# Online serving: throughput and latency\n\n") + section
-            )
-        print(f"appended to {a.out}")
+            f"(client and server on the same machine; load average {load:.2f} at the start)",
+        ]
+        append_section(a.out, "Online serving: throughput and latency", command, details, result)
 
 
 if __name__ == "__main__":

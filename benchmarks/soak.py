@@ -45,14 +45,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import REPO, Server, device, percentile, scrape
+from report import append_section, device
+from serve_bench import REPO, Server, percentile, scrape
 
 MIX = {
     "chat_stream": 20,
@@ -463,21 +463,12 @@ def main() -> None:
     body, ok = report(soak, a, duration, rss0, idle, probe, exit_info, log)
     print(body)
     if a.out:
-        date = datetime.now(timezone.utc).strftime("%a %b %d %H:%M:%S UTC %Y")
-        section = (
-            f"## {date}\n\n"
-            f"Command: `{command}`\n\n"
-            f"Server: `{shlex.join(server.argv)}`{'' if a.model else ' (the embedded default model)'}\n\n"
+        details = [
+            f"Server: `{shlex.join(server.argv)}`{'' if a.model else ' (the embedded default model)'}",
             f"Device: {device()}; Python {platform.python_version()}, torch {version('torch')} "
-            f"(client and server on the same machine; load average {load_avg:.2f} at the start)\n\n"
-            f"{body}\n"
-        )
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        with a.out.open("a") as f:
-            f.write(
-                ("\n" if a.out.stat().st_size else "# Soak test: mixed and aborted traffic\n\n") + section
-            )
-        print(f"appended to {a.out}")
+            f"(client and server on the same machine; load average {load_avg:.2f} at the start)",
+        ]
+        append_section(a.out, "Soak test: mixed and aborted traffic", command, details, body)
     sys.exit(0 if ok else 1)
 
 

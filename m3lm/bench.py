@@ -21,7 +21,7 @@ from m3lm.cache.kv_cache import KVCache, PagedKV
 from m3lm.config import parse_config
 from m3lm.core import ForwardBatch
 from m3lm.engine.cuda_graphs import DecodeGraphs
-from m3lm.models.minimax_m3 import MiniMaxM3
+from m3lm.models.minimax_m3 import MiniMaxM3, release_config
 
 COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on the H200
 MATMUL_RATE = 790e12  # bf16 FLOP/s, large matrix product measured on the H200
@@ -29,23 +29,13 @@ MATMUL_RATE = 790e12  # bf16 FLOP/s, large matrix product measured on the H200
 
 def release_slice_config(layers: int) -> dict:
     """The release's text config with `layers` layers (layer 0 dense + full attention)."""
-    n = layers
-    flags = [0] + [1] * (n - 1)
-    return {
-        "model_type": "minimax_m3",
-        "vocab_size": 200064, "hidden_size": 6144, "num_hidden_layers": n,
-        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
-        "rotary_dim": 64, "partial_rotary_factor": 0.5, "rope_theta": 5000000,
-        "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "hidden_act": "swigluoai",
-        "intermediate_size": 3072, "shared_intermediate_size": 3072, "dense_intermediate_size": 12288,
-        "num_local_experts": 128, "num_experts_per_tok": 4, "routed_scaling_factor": 2.0,
-        "moe_layer_freq": flags,
-        "sparse_attention_config": {
-            "use_sparse_attention": True, "sparse_attention_freq": flags, "sparse_disable_index_value": flags,
-            "sparse_num_index_heads": 4, "sparse_index_dim": 128, "sparse_block_size": 128,
-            "sparse_topk_blocks": 16, "sparse_local_block": 1, "sparse_init_block": 0,
-        },
-    }  # fmt: skip
+    return release_config(
+        vocab_size=200064, hidden_size=6144, num_hidden_layers=layers, num_attention_heads=64,
+        num_key_value_heads=4, head_dim=128, rotary_dim=64, rope_theta=5000000,
+        max_position_embeddings=1048576, dense_layers=1, dense_intermediate_size=12288,
+        intermediate_size=3072, shared_intermediate_size=3072, num_local_experts=128,
+        num_experts_per_tok=4, index_head_dim=128, block_size=128, topk_blocks=16, local_blocks=1,
+    )["text_config"]  # fmt: skip
 
 
 def build_slice(layers: int, device: str = "cuda", seed: int = 0) -> MiniMaxM3:

@@ -38,19 +38,3 @@ def moe_experts_ref(
         ye = (h @ w2[e].T).float() * weights.flatten()[sel, None]  # [n, C]
         out.index_add_(0, tok, ye)
     return out
-
-
-def moe_experts(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-    alpha: float,
-    limit: float,
-) -> torch.Tensor:
-    """The GPU path (Triton grouped GEMM, no host sync); same contract as `moe_experts_ref`."""
-    from m3lm.kernels.moe_triton import moe_experts as fused
-
-    return fused(x, weights, ids, w1, w3, w2, alpha, limit)
