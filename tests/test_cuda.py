@@ -204,3 +204,24 @@ def test_fused_elementwise_kernels_match_reference(dtype):
         assert rel(fused.apply_rope(x, cos, sin), apply_rope_ref(x, cos, sin)) < tol
     g, u = (torch.randn(37, 3072, generator=gen).mul(5).to(DEV, dtype) for _ in range(2))
     assert rel(fused.swiglu_oai(g, u, 1.702, 7.0), swiglu_oai_ref(g, u, 1.702, 7.0)) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("h", "k", "d", "s", "topk", "tk", "t"),
+    [(8, 2, 16, 16, 3, 200, 200), (64, 4, 128, 128, 16, 5000, 5000), (64, 4, 128, 128, 16, 4600, 700)],
+)
+def test_prefill_kernel_matches_reference(dtype, h, k, d, s, topk, tk, t):
+    from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
+
+    gen = torch.Generator(device="cpu").manual_seed(tk + t)
+    q = torch.randn(t, h, d, generator=gen).to(DEV, dtype)
+    kk, vv = (torch.randn(tk, k, d, generator=gen).to(DEV, dtype) for _ in range(2))
+    pos = torch.arange(tk - t, tk, device=DEV)  # a chunk at the end of the sequence
+    scores = torch.randn(k, t, -(-tk // s), generator=gen).to(DEV)
+    sel = select_blocks_ref(scores, pos, s, topk, 1, 0)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for block_ids in (sel, None):
+        out = msa_prefill_attention(q, kk, vv, pos, d**-0.5, block_ids, s)
+        ref = msa_attention_ref(q.float(), kk.float(), vv.float(), pos, d**-0.5, block_ids, s)
+        assert rel(out, ref) < tol
