@@ -1,8 +1,9 @@
-"""Tile sizes for the fused-MoE grouped GEMM on the release's dimensions (GPU).
+"""Tile sizes for the fused MoE on the release's dimensions (GPU).
 
-For several token counts, times the gate/up GEMM (N = I, K = C) and the down GEMM (N = C, K = I)
-under each tile configuration and prints the best, with the bandwidth it reaches on the expert
-weights it must read. Run: `PYTHONPATH=. python3 benchmarks/moe_configs.py`.
+For several token counts, times the fused gate/up + SwiGLU kernel (N = I, K = C) and the down
+GEMM (N = C, K = I) under each tile configuration and BLOCK_M, and prints the best, with the
+bandwidth it reaches on the expert weights it must read and its arithmetic rate. The winners
+go into `moe_triton.tiles`. Run: `PYTHONPATH=. python3 benchmarks/moe_configs.py`.
 """
 
 from __future__ import annotations
@@ -13,38 +14,47 @@ import itertools
 import torch
 import triton
 
-from m3lm.kernels.moe_triton import _gemm, align
+from m3lm.kernels.moe_triton import align, gate_up, grouped_gemm
+
+SPACE = {  # T: (BLOCK_M choices, BN, BK, warps, stages)
+    1: ((16,), (32, 64, 128), (128, 256), (4,), (3, 4)),
+    64: ((16, 32), (64, 128), (64, 128, 256), (4,), (3, 4)),
+    8192: ((64, 128), (64, 128, 256), (64,), (4, 8), (3, 4)),
+}
 
 
 def main() -> None:
     e, c, i, a = 128, 6144, 3072, 4
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w_up = torch.randn(e, i, c, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-    w_down = torch.randn(e, c, i, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-    configs = list(itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4)))
-    for t in (1, 16, 64, 512, 8192):
+    w1, w3 = (
+        torch.randn(e, i, c, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(2)
+    )
+    w2 = torch.randn(e, c, i, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    for t, (block_ms, *space) in SPACE.items():
         ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:a] for _ in range(t)])
-        block_m = 16 if t * a <= 1024 else 64
-        aligned = align(ids, e, block_m)
+        x = torch.randn(t, c, device="cuda", dtype=torch.bfloat16, generator=gen)
+        h = torch.randn(t * a, i, device="cuda", dtype=torch.bfloat16, generator=gen)
         hit = int(ids.unique().numel())
-        for name, w, rows, kdim in (("gate", w_up, torch.randn(t, c, device="cuda", dtype=torch.bfloat16), c),
-                                     ("down", w_down, torch.randn(t * a, i, device="cuda", dtype=torch.bfloat16), i)):  # fmt: skip
+        for name, gbytes, flops in (("gate_up", 2 * hit * i * c * 2, 2 * 2 * t * a * i * c), ("down", hit * c * i * 2, 2 * t * a * i * c)):  # fmt: skip
             best = None
-            for cfg in configs:
-                if block_m == 64 and cfg[0] < 64:
-                    continue
-                call = functools.partial(
-                    _gemm, rows, w, t * a, a, aligned, name == "down", block_m=block_m, config=cfg
-                )
+            for block_m, cfg in itertools.product(block_ms, itertools.product(*space)):
+                aligned = align(ids, e, block_m)
+                if name == "gate_up":
+                    call = functools.partial(gate_up, x, w1, w3, t * a, a, aligned, 1.702, 7.0, block_m, cfg)
+                else:
+                    call = functools.partial(
+                        grouped_gemm, h, w2, t * a, a, aligned, True, block_m=block_m, config=cfg
+                    )
                 try:
                     ms = triton.testing.do_bench(call, warmup=5, rep=20, return_mode="median")
                 except Exception:  # a configuration the compiler rejects (resources)
                     continue
                 if best is None or ms < best[0]:
-                    best = (ms, cfg)
-            gbytes = hit * w.shape[1] * kdim * 2 / 1e9
+                    best = (ms, block_m, cfg)
+            ms, block_m, cfg = best
             print(
-                f"T={t:5d} {name}: best {best[1]} {best[0] * 1e3:8.1f} us, {gbytes / best[0]:7.0f} GB/s over {hit} experts",
+                f"T={t:5d} {name:7s}: best BLOCK_M={block_m} {cfg} {ms * 1e3:8.1f} us, "
+                f"{gbytes / ms / 1e9:5.2f} TB/s over {hit} experts, {flops / ms / 1e9:5.0f} TFLOP/s",
                 flush=True,
             )
 

@@ -192,11 +192,34 @@ def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
     return Row(f"prefill B=1 T={length}", ms, length, _weights_bytes(model, length), flops)
 
 
-def bench_attention(model: MiniMaxM3, length: int, iters: int) -> Row:
-    """One sparse layer's attention at `length` tokens: the block-sparse Triton prefill kernel over
-    a per-group selection (from random index scores) against dense causal flash attention (SDPA)."""
+def _selection(kind: str, k: int, length: int, s: int, a, gen: torch.Generator) -> torch.Tensor:
+    """Block selection [K, T, k] from index scores of one of two kinds.
+
+    "random": scores drawn independently for every query, so adjacent queries share only their
+    forced blocks (the worst case for a tile of queries). "drift": index queries that drift
+    slowly along the sequence (a random walk), as a trained indexer's inputs do, scored against
+    random index keys with the real max-over-block rule.
+    """
     from m3lm.kernels.msa import select_blocks_ref
-    from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
+    from m3lm.kernels.msa_prefill_triton import msa_select
+
+    pos = torch.arange(length, device="cuda")
+    n_blocks = math.ceil(length / s)
+    if kind == "random":
+        scores = torch.randn(k, length, n_blocks, device="cuda", generator=gen)
+        return select_blocks_ref(
+            scores, pos, s, a.index_topk_blocks, a.index_local_blocks, a.index_init_blocks
+        )
+    steps = torch.randn(length, k, a.index_head_dim, device="cuda", generator=gen) * 0.05
+    iq = (torch.randn(1, k, a.index_head_dim, device="cuda", generator=gen) + steps.cumsum(0)).bfloat16()
+    ik = torch.randn(length, a.index_head_dim, device="cuda", generator=gen).bfloat16()
+    return msa_select(iq, ik, pos, s, a.index_topk_blocks, a.index_local_blocks, a.index_init_blocks, 0)
+
+
+def bench_attention(model: MiniMaxM3, length: int, iters: int) -> list[Row]:
+    """One sparse layer's attention at `length` tokens: the block-sparse Triton prefill kernel
+    against dense causal flash attention (SDPA) on the same q, k, v, for two kinds of selection."""
+    from m3lm.kernels.msa_prefill_triton import ROWS, msa_prefill_attention, tile_blocks
 
     a = model.args
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -204,17 +227,20 @@ def bench_attention(model: MiniMaxM3, length: int, iters: int) -> Row:
     q = torch.randn(length, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     kk, vv = (torch.randn(length, k, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     pos = torch.arange(length, device="cuda")
-    n_blocks = math.ceil(length / s)
-    scores = torch.randn(k, length, n_blocks, device="cuda", generator=gen)
-    sel = select_blocks_ref(scores, pos, s, a.index_topk_blocks, a.index_local_blocks, a.index_init_blocks)
-    ms = _time(lambda: msa_prefill_attention(q, kk, vv, pos, d**-0.5, sel, s), iters)
     qd = q.permute(1, 0, 2)[None]
     kd, vd = (t.permute(1, 0, 2)[None].repeat_interleave(h // k, dim=1) for t in (kk, vv))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    dense_ms = _time(lambda: sdpa(qd, kd, vd, is_causal=True), iters)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        dense_ms = _time(lambda: sdpa(qd, kd, vd, is_causal=True), iters)
     keys = sum(min(t + 1, a.dense_window) for t in range(0, length, 64)) * 64
-    flops = 4 * keys * h * d
-    return Row(f"MSA attention T={length} (vs dense flash)", ms, length, 0.0, flops, ref_ms=dense_ms)
+    rows = []
+    for kind in ("drift", "random"):
+        sel = _selection(kind, k, length, s, a, gen)
+        union = float(tile_blocks(sel.int(), max(1, ROWS // (h // k)))[1].float().mean())
+        ms = _time(lambda: msa_prefill_attention(q, kk, vv, pos, d**-0.5, sel, s, 0), iters)  # noqa: B023
+        case = f"MSA attention T={length}, {kind} selection ({union:.1f} blocks per tile)"
+        rows.append(Row(case, ms, length, 0.0, 4 * keys * h * d, ref_ms=dense_ms))
+    return rows
 
 
 def run(args) -> list[Row]:
@@ -230,8 +256,9 @@ def run(args) -> list[Row]:
         rows.append(bench_prefill(model, t, max(3, args.iters // 5)))
         print(" | ".join(rows[-1].cells()), flush=True)
     for t in args.attention:
-        rows.append(bench_attention(model, t, max(3, args.iters // 5)))
-        print(" | ".join(rows[-1].cells()), "(reference column: dense flash)", flush=True)
+        for row in bench_attention(model, t, max(3, args.iters // 5)):
+            rows.append(row)
+            print(" | ".join(row.cells()), "(reference column: dense flash attention)", flush=True)
     cfg = release_slice_config(args.layers)
     del model
     torch.cuda.empty_cache()
@@ -248,9 +275,8 @@ def _compare(cfg: dict, args, rows: list[Row]) -> None:
     import hf_reference
 
     hf = hf_reference.build_hf_slice(_hf_config(cfg), "cuda")
-    for row, spec in zip(
-        rows, [("d", b, c) for b, c in args.decode] + [("p", 1, t) for t in args.prefill], strict=True
-    ):
+    specs = [("d", b, c) for b, c in args.decode] + [("p", 1, t) for t in args.prefill]
+    for row, spec in zip(rows[: len(specs)], specs, strict=True):
         kind, b, n = spec
         res = (
             hf_reference.time_hf_decode(hf, b, n, 5)

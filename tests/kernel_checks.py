@@ -14,7 +14,7 @@ from m3lm.kernels import fused, msa_triton
 from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.moe_triton import moe_experts
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
-from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
+from m3lm.kernels.msa_prefill_triton import index_block_scores, msa_prefill_attention, msa_select
 from m3lm.layers.mlp import swiglu_oai_ref
 from m3lm.layers.moe import route
 from m3lm.layers.norm import rms_norm_ref
@@ -73,6 +73,17 @@ def prefill_kernel():
         close(msa_prefill_attention(q, kk, vv, pos, 0.3, None, s), msa_attention_ref(q, kk, vv, pos, 0.3))
 
 
+def prefill_selection():
+    for t_len, tk, k, di, s, topk in [(40, 90, 2, 16, 8, 3), (70, 70, 3, 32, 4, 5), (5, 8, 2, 16, 4, 2)]:
+        iq, ik = torch.randn(t_len, k, di), torch.randn(tk, di)
+        pos = torch.arange(tk - t_len, tk)
+        got, want = index_block_scores(iq, ik, tk - t_len, s), index_block_scores_ref(iq, ik, pos, s)
+        assert torch.equal(got.isinf(), want.isinf())
+        close(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0))
+        got, want = msa_select(iq, ik, pos, s, topk, 1, 0), msa_select_ref(iq, ik, pos, s, topk, 1, 0)
+        assert (got is None and want is None) or torch.equal(got, want)
+
+
 def moe_kernel():
     for t, e, a, c, i in [(1, 8, 2, 64, 32), (9, 6, 3, 48, 40), (40, 8, 2, 64, 32)]:
         x = torch.randn(t, c)
@@ -95,6 +106,6 @@ def elementwise_kernels():
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    for check in (decode_kernels, prefill_kernel, moe_kernel, elementwise_kernels):
+    for check in (decode_kernels, prefill_kernel, prefill_selection, moe_kernel, elementwise_kernels):
         check()
         print(check.__name__, "ok", flush=True)

@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from m3lm.layers.mlp import swiglu_oai
-
 
 def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, A] -> (sorted pair ids [EM] with M as padding, expert of each block [EM/BLOCK_M], EM used [1])."""
@@ -76,14 +74,84 @@ def _moe_gemm_kernel(
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-def _gemm(a, w, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, block_m=16, config=None):
+@triton.jit
+def _moe_gate_up_kernel(
+    a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, used_ptr,
+    M, TOP_K, alpha, limit,
+    s_am, s_we, s_wn, s_hm,
+    N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """h[pair] = swiglu(a[token] @ w1[e].T, a[token] @ w3[e].T): both products from one read of a."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BM >= tl.load(used_ptr):
+        return
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+    valid = pairs < M
+    rows = pairs // TOP_K
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    gate = tl.zeros([BM, BN], tl.float32)
+    up = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, KDIM, BK):
+        kk = k0 + offs_k
+        a = tl.load(
+            a_ptr + rows[:, None].to(tl.int64) * s_am + kk[None, :],
+            mask=valid[:, None] & (kk[None, :] < KDIM),
+            other=0.0,
+        )
+        w_off = e * s_we + offs_n[None, :] * s_wn + kk[:, None]
+        w_ok = (offs_n[None, :] < N) & (kk[:, None] < KDIM)
+        gate += tl.dot(
+            a, tl.load(w1_ptr + w_off, mask=w_ok, other=0.0), out_dtype=tl.float32, input_precision=PREC
+        )
+        up += tl.dot(
+            a, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), out_dtype=tl.float32, input_precision=PREC
+        )
+    g = tl.minimum(gate, limit)  # the clamped SwiGLU of layers/mlp.py, in fp32
+    u = tl.minimum(tl.maximum(up, -limit), limit)
+    h = g * tl.sigmoid(alpha * g) * (u + 1.0)
+    out = h_ptr + pairs[:, None].to(tl.int64) * s_hm + offs_n[None, :]
+    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def tiles(m: int) -> tuple[int, tuple, tuple]:
+    """(BLOCK_M, gate/up tile, down tile) for M token-expert pairs; tiles are (BN, BK, warps, stages).
+
+    From `benchmarks/moe_configs.py` on the H200 at the release's dimensions: wide K for a few
+    rows (decode reads weights), large square tiles for many (prefill multiplies).
+    """
+    if m <= 64:
+        return 16, (64, 256, 4, 3), (64, 128, 4, 4)
+    if m <= 1024:
+        return 16, (128, 128, 4, 4), (128, 128, 4, 3)
+    return 64, (128, 64, 4, 3), (128, 64, 4, 3)
+
+
+def gate_up(x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config) -> torch.Tensor:
+    """SwiGLU activations [M, I] of every token-expert pair (x.dtype)."""
+    sorted_ids, block_expert, used = aligned
+    n, kdim = w1.shape[1], w1.shape[2]
+    h = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    bn, bk, warps, stages = config
+    _moe_gate_up_kernel[(sorted_ids.numel() // block_m, triton.cdiv(n, bn))](
+        x, w1, w3, h, sorted_ids, block_expert, used, m, top_k, alpha, limit,
+        x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
+        N=n, KDIM=kdim, PREC="ieee" if x.dtype == torch.float32 else "tf32", BM=block_m, BN=bn, BK=bk,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return h
+
+
+def grouped_gemm(
+    a, w, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, block_m=16, config=(64, 128, 4, 3)
+):
     """c[pair] = a[row of pair] @ w[expert of pair].T (times scale[pair]) -> [M, N]."""
     sorted_ids, block_expert, used = aligned
     n, kdim = w.shape[1], w.shape[2]
     c = torch.empty(m, n, device=a.device, dtype=out_dtype or a.dtype)
-    # Tiles from benchmarks/moe_configs.py on the H200 (release dimensions): wide K for few rows.
-    if config is None:
-        config = (64, 256, 4, 3) if m <= 64 else (128, 128, 4, 4) if m <= 1024 else (128, 64, 4, 3)
     bn, bk, warps, stages = config
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, bn))
     _moe_gemm_kernel[grid](
@@ -107,14 +175,20 @@ def moe_experts(
 ) -> torch.Tensor:
     """Same contract as `moe_experts_ref`: sum_a weights[t, a] * expert_{ids[t, a]}(x[t]) -> [T, C] fp32."""
     t, a = ids.shape
-    block_m = 16 if t * a <= 1024 else 64
+    block_m, up_cfg, down_cfg = tiles(t * a)
     aligned = align(ids, w1.shape[0], block_m)
-    x = x.contiguous()
-    gate = _gemm(x, w1, t * a, a, aligned, pair_rows=False, block_m=block_m)  # [M, I]
-    up = _gemm(x, w3, t * a, a, aligned, pair_rows=False, block_m=block_m)
-    h = swiglu_oai(gate.float(), up.float(), alpha, limit).to(x.dtype)  # [M, I]
+    h = gate_up(x.contiguous(), w1, w3, t * a, a, aligned, alpha, limit, block_m, up_cfg)  # [M, I]
     scale = weights.flatten().float().contiguous()
-    down = _gemm(
-        h, w2, t * a, a, aligned, pair_rows=True, scale=scale, out_dtype=torch.float32, block_m=block_m
+    down = grouped_gemm(
+        h,
+        w2,
+        t * a,
+        a,
+        aligned,
+        pair_rows=True,
+        scale=scale,
+        out_dtype=torch.float32,
+        block_m=block_m,
+        config=down_cfg,
     )
     return down.view(t, a, -1).sum(1)  # [T, C]

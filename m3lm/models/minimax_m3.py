@@ -28,9 +28,27 @@ from m3lm.layers.rotary import apply_rope, rope_cos_sin
 
 
 def _attention(q, k, v, pos, scale, block_ids=None, block_size=0) -> torch.Tensor:
-    """Fused attention kernels on the GPU, the plain reference on the CPU (same function)."""
-    attend = msa_attention_sdpa if q.is_cuda else msa_attention_ref
-    return attend(q, k, v, pos, scale, block_ids, block_size)
+    """Attention of one sequence's queries: GPU kernels on the GPU, the plain reference on the CPU.
+
+    On the GPU a whole sequence with no selection takes PyTorch's causal flash kernel; anything
+    else (block-sparse, or a chunk after cached keys) the block-sparse Triton kernel.
+    """
+    if not q.is_cuda:
+        return msa_attention_ref(q, k, v, pos, scale, block_ids, block_size)
+    if block_ids is None and k.shape[0] == q.shape[0]:
+        return msa_attention_sdpa(q, k, v, pos, scale)
+    from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
+
+    return msa_prefill_attention(q, k, v, pos, scale, block_ids, block_size or 128)
+
+
+def _select(iq, ik, pos, block_size, topk, local, init) -> torch.Tensor | None:
+    """Per-KV-group block selection (`msa_select_ref`), scored by a Triton kernel on the GPU."""
+    if not iq.is_cuda:
+        return msa_select_ref(iq, ik, pos, block_size, topk, local, init)
+    from m3lm.kernels.msa_prefill_triton import msa_select
+
+    return msa_select(iq, ik, pos, block_size, topk, local, init)
 
 
 class Attention(nn.Module):
@@ -108,7 +126,7 @@ class Attention(nn.Module):
             out[dense] = _attention(q[dense], k, v, pos[dense], self.scale)
             out[~dense] = self._sparse(q[~dense], k, v, pos[~dense], iq[~dense], ik, None)
             return out
-        block_ids = msa_select_ref(iq, ik, pos, *self.msa)  # [K, n, k], or None when exactly dense
+        block_ids = _select(iq, ik, pos, *self.msa)  # [K, n, k], or None when exactly dense
         return _attention(q, k, v, pos, self.scale, block_ids, block_size)
 
     def decode(self, x: torch.Tensor, dec: DecodeBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
