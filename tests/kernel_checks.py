@@ -12,6 +12,7 @@ import torch
 
 from m3lm.kernels import fused, msa_triton
 from m3lm.kernels.moe import moe_experts_ref
+from m3lm.kernels import moe_triton
 from m3lm.kernels.moe_triton import moe_experts
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
 from m3lm.kernels.msa_prefill_triton import index_block_scores, msa_prefill_attention, msa_select
@@ -95,6 +96,20 @@ def moe_kernel():
         )
 
 
+def routing_kernels():
+    for t, e, a, block_m in [(1, 8, 2, 16), (64, 128, 4, 16), (5, 6, 3, 4), (3, 8, 2, 16)]:
+        logits = torch.randn(t, e)
+        if t == 3:
+            logits[:, :4] = 0.5  # exact ties go to the lower expert id
+        bias = torch.randn(e) * 0.1
+        w, ids = moe_triton.route(logits, bias, a)
+        w_ref, ids_ref = route(logits, bias, a)
+        assert torch.equal(ids, ids_ref)
+        close(w, w_ref, 1e-6)
+        for got, want in zip(moe_triton.align(ids, e, block_m), moe_triton.align_ref(ids, e, block_m), strict=True):
+            assert torch.equal(got, want), (got, want)
+
+
 def elementwise_kernels():
     x, w = torch.randn(5, 3, 24), torch.randn(24)
     close(fused.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
@@ -106,6 +121,6 @@ def elementwise_kernels():
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    for check in (decode_kernels, prefill_kernel, prefill_selection, moe_kernel, elementwise_kernels):
+    for check in (decode_kernels, prefill_kernel, prefill_selection, moe_kernel, routing_kernels, elementwise_kernels):
         check()
         print(check.__name__, "ok", flush=True)

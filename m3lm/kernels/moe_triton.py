@@ -11,16 +11,24 @@ EM = padded pair slots.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 
-def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [T, A] -> (sorted pair ids [EM] with M as padding, expert of each block [EM/BLOCK_M], EM used [1])."""
+def align_ref(
+    ids: torch.Tensor, n_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, A] -> (sorted pair ids [EM] with M as padding, expert of each block [EM/BLOCK_M], EM used [1]).
+
+    Pairs are grouped by expert in pair order; each expert's group is padded to a multiple of
+    BLOCK_M. EM = M + E * (BLOCK_M - 1) rounded up to BLOCK_M, a static bound.
+    """
     flat = ids.flatten()
     m = flat.numel()
-    em = -(-(m + n_experts * (block_m - 1)) // block_m) * block_m
+    em = _slots(m, n_experts, block_m)
     counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device).scatter_add_(
         0, flat, torch.ones_like(flat)
     )
@@ -34,6 +42,97 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor
     starts = torch.arange(0, em, block_m, device=ids.device)
     block_expert = torch.searchsorted(ends, starts, right=True).clamp(max=n_experts - 1).to(torch.int32)
     return sorted_ids, block_expert, ends[-1:].to(torch.int32)
+
+
+def _slots(m: int, n_experts: int, block_m: int) -> int:
+    return -(-(m + n_experts * (block_m - 1)) // block_m) * block_m
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_ptr, expert_ptr, used_ptr, M, EM,
+    E: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr, EMP: tl.constexpr, NBP: tl.constexpr, BM: tl.constexpr,
+):  # fmt: skip
+    """`align_ref` in one program, for a few pairs (decode): counts, padded offsets, ranks, blocks."""
+    offs = tl.arange(0, MP)
+    ok = offs < M
+    e = tl.load(ids_ptr + offs, mask=ok, other=EP).to(tl.int32)  # padding pairs match no expert
+    experts = tl.arange(0, EP)
+    onehot = e[:, None] == experts[None, :]  # [MP, EP]
+    counts = tl.sum(onehot.to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, axis=0)  # [EP]
+    start_of = tl.sum(tl.where(onehot, (ends - padded)[None, :], 0), axis=1)  # [MP] its expert's first slot
+    earlier = (e[:, None] == e[None, :]) & (offs[None, :] < offs[:, None])
+    slot = start_of + tl.sum(earlier.to(tl.int32), axis=1)  # [MP] rank within the expert
+    all_slots = tl.arange(0, EMP)
+    tl.store(sorted_ptr + all_slots, tl.full([EMP], M, tl.int32), mask=all_slots < EM)
+    tl.debug_barrier()
+    tl.store(sorted_ptr + slot, offs.to(tl.int32), mask=ok)
+    blocks = tl.arange(0, NBP)
+    owner = tl.sum((ends[None, :] <= (blocks * BM)[:, None]).to(tl.int32), axis=1)
+    tl.store(expert_ptr + blocks, tl.minimum(owner, E - 1), mask=blocks * BM < EM)
+    tl.store(used_ptr, tl.max(ends, axis=0))
+
+
+ALIGN_KERNEL_MAX_PAIRS = 256  # one program holds [M, M] comparisons; beyond this the PyTorch path
+
+
+def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_ref`, in one launch when there are few pairs (a decode step)."""
+    m = ids.numel()
+    if m > ALIGN_KERNEL_MAX_PAIRS or (not ids.is_cuda and not _interpreted()):
+        return align_ref(ids, n_experts, block_m)
+    em = _slots(m, n_experts, block_m)
+    sorted_ids = torch.empty(em, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(em // block_m, dtype=torch.int32, device=ids.device)
+    used = torch.empty(1, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](
+        ids.flatten().contiguous(), sorted_ids, block_expert, used, m, em,
+        E=n_experts, EP=triton.next_power_of_2(n_experts), MP=max(16, triton.next_power_of_2(m)),
+        EMP=triton.next_power_of_2(em), NBP=triton.next_power_of_2(em // block_m), BM=block_m,
+    )  # fmt: skip
+    return sorted_ids, block_expert, used
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, n_experts, s_lt,
+    A: tl.constexpr, AP: tl.constexpr, EP: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    offs = tl.arange(0, EP)
+    ok = offs < n_experts
+    score = tl.sigmoid(tl.load(logits_ptr + t * s_lt + offs, mask=ok, other=0.0))
+    key = tl.where(ok, score + tl.load(bias_ptr + offs, mask=ok, other=0.0), float("-inf"))
+    slots = tl.arange(0, AP)
+    ids = tl.zeros([AP], tl.int32)
+    weights = tl.zeros([AP], tl.float32)
+    for i in range(A):  # the best remaining expert by biased score; ties to the lower id
+        best = tl.argmax(key, axis=0, tie_break_left=True).to(tl.int32)
+        ids = tl.where(slots == i, best, ids)
+        weights = tl.where(slots == i, tl.sum(tl.where(offs == best, score, 0.0), axis=0), weights)
+        key = tl.where(offs == best, float("-inf"), key)
+    weights = weights / tl.sum(weights, axis=0)
+    tl.store(w_ptr + t * A + slots, weights, mask=slots < A)
+    tl.store(ids_ptr + t * A + slots, ids.to(tl.int64), mask=slots < A)
+
+
+def route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layers.moe.route_ref` in one launch: weights [T, A] fp32, ids [T, A] int64."""
+    t, e = router_logits.shape
+    logits = router_logits.float().contiguous()
+    weights = torch.empty(t, top_k, device=logits.device, dtype=torch.float32)
+    ids = torch.empty(t, top_k, device=logits.device, dtype=torch.int64)
+    _route_kernel[(t,)](
+        logits, bias.float().contiguous(), weights, ids, e, logits.stride(0),
+        A=top_k, AP=max(2, triton.next_power_of_2(top_k)), EP=max(16, triton.next_power_of_2(e)),
+    )  # fmt: skip
+    return weights, ids
 
 
 @triton.jit

@@ -8,9 +8,10 @@ its page i holds positions S*i .. S*i+S-1.
 - `index_block_scores`: [B, K, MAXP] max over each page's visible keys of iq . ik (fp32);
   pages past the sequence are -inf.
 - `select_blocks`: per-KV-group top-k of those scores with the forced local/init blocks, the same
-  rule as `select_blocks_ref` (ties to the lower block id, -1 in unused slots; ids not sorted).
+  rule as `select_blocks_ref` (ties to the lower block id, -1 in unused slots; ids not sorted),
+  in one launch.
 - `paged_attention`: one query per sequence over the selected pages (or all of them: dense),
-  split over blocks for parallelism, online softmax in fp32, then a combine.
+  split over blocks for parallelism, online softmax in fp32, then a combine kernel.
 Everything takes device tensors and does no host synchronisation (CUDA-graph safe).
 """
 
@@ -72,22 +73,41 @@ def index_block_scores(
     return out
 
 
+@triton.jit
+def _select_kernel(
+    scores_ptr, lens_ptr, out_ptr, maxp, local, init,
+    s_sb, s_sk, s_ob, s_ok,
+    S: tl.constexpr, TOPK: tl.constexpr, KOUT: tl.constexpr, NP: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    qb = (tl.load(lens_ptr + b) - 1) // S  # the query's own block
+    ids = tl.arange(0, NP)
+    visible = (ids <= qb) & (ids < maxp)
+    score = tl.load(scores_ptr + b * s_sb + kh * s_sk + ids, mask=ids < maxp, other=float("-inf"))
+    forced = ((ids > qb - local) | (ids < init)) & visible
+    key = tl.where(forced, float("inf"), tl.where(visible, score, float("-inf")))
+    n_visible = tl.minimum(qb + 1, maxp)
+    offs = tl.arange(0, KOUT)
+    chosen = tl.full([KOUT], -1, tl.int32)
+    for i in range(TOPK):  # the best remaining block; ties to the lower id, as a stable sort
+        best = tl.argmax(key, axis=0, tie_break_left=True).to(tl.int32)
+        chosen = tl.where((offs == i) & (i < n_visible), best, chosen)
+        key = tl.where(ids == best, float("-inf"), key)
+    tl.store(out_ptr + b * s_ob + kh * s_ok + offs, chosen, mask=offs < TOPK)
+
+
 def select_blocks(
     scores: torch.Tensor, lens: torch.Tensor, block_size: int, topk: int, local: int, init: int
 ) -> torch.Tensor:
-    """Per-group block selection [B, K, topk] from scores [B, K, MAXP] (-1 = unused slot)."""
-    maxp = scores.shape[-1]
-    ids = torch.arange(maxp, device=scores.device)
-    qb = ((lens - 1) // block_size)[:, None, None]  # [B, 1, 1] the query's own block
-    visible = ids <= qb
-    forced = ((ids > qb - local) | (ids < init)) & visible
-    key = scores.masked_fill(forced, float("inf")).masked_fill(~visible, float("-inf"))
-    k = min(topk, maxp)
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
-    chosen = torch.where(torch.gather(visible.expand_as(key), -1, order), order, -1)
-    if k < topk:
-        chosen = torch.nn.functional.pad(chosen, (0, topk - k), value=-1)
-    return chosen.to(torch.int32)
+    """Per-group block selection [B, K, topk] from scores [B, K, MAXP] (-1 = unused slot), one launch."""
+    b, k, maxp = scores.shape
+    out = torch.empty(b, k, topk, device=scores.device, dtype=torch.int32)
+    _select_kernel[(b, k)](
+        scores, lens, out, maxp, local, init, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+        S=block_size, TOPK=topk, KOUT=max(2, triton.next_power_of_2(topk)), NP=max(16, triton.next_power_of_2(maxp)),
+    )  # fmt: skip
+    return out
 
 
 @triton.jit
@@ -146,6 +166,44 @@ def _paged_attn_kernel(
     tl.store(out, acc, mask=(offs_g[:, None] < G) & d_ok)
 
 
+@triton.jit
+def _combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr,
+    s_mb, s_mk, s_ms, s_ab, s_ak, s_as, s_ag, s_ob, s_oh,
+    SPLITS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):  # fmt: skip
+    """Merge the splits' partial softmax states of one (sequence, group) into the output rows."""
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, DP)
+    g_ok = offs_g < G
+    top = tl.full([GP], float("-inf"), tl.float32)
+    for sp in range(SPLITS):
+        top = tl.maximum(
+            top, tl.load(m_ptr + b * s_mb + kh * s_mk + sp * s_ms + offs_g, mask=g_ok, other=0.0)
+        )
+    top = tl.where(top == float("-inf"), 0.0, top)
+    den = tl.zeros([GP], tl.float32)
+    num = tl.zeros([GP, DP], tl.float32)
+    for sp in range(SPLITS):
+        row = b * s_mb + kh * s_mk + sp * s_ms + offs_g
+        w = tl.exp(tl.load(m_ptr + row, mask=g_ok, other=float("-inf")) - top)  # splits with no key weigh 0
+        den += tl.load(l_ptr + row, mask=g_ok, other=0.0) * w
+        acc = tl.load(
+            acc_ptr + b * s_ab + kh * s_ak + sp * s_as + offs_g[:, None] * s_ag + offs_d[None, :],
+            mask=g_ok[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )
+        num += acc * w[:, None]
+    out = num / tl.where(den == 0.0, 1.0, den)[:, None]
+    tl.store(
+        out_ptr + b * s_ob + (kh * G + offs_g)[:, None] * s_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_ok[:, None] & (offs_d[None, :] < D),
+    )
+
+
 def _pad(n: int) -> int:
     """Tile extent for n: a power of two, at least 16 (the matrix units' smallest K)."""
     return max(16, triton.next_power_of_2(n))
@@ -200,7 +258,9 @@ def paged_attention(
         G=g, GP=_pad(g), D=d, DP=_pad(d), S=k_pool.shape[1], SP=_pad(k_pool.shape[1]), PER_SPLIT=per_split,
         DENSE=block_ids is None, PREC=_precision(q),
     )  # fmt: skip
-    top = m.amax(dim=2, keepdim=True)  # [B, K, 1, G]
-    w = torch.exp(m - top).nan_to_num(0.0)  # splits that saw no key weigh nothing
-    out = (acc * w[..., None]).sum(2) / (l_ * w).sum(2)[..., None]  # [B, K, G, D]
-    return out.reshape(b, h, d).to(q.dtype)
+    out = torch.empty_like(q)
+    _combine_kernel[(b, n_kv)](
+        m, l_, acc, out, m.stride(0), m.stride(1), m.stride(2), acc.stride(0), acc.stride(1), acc.stride(2),
+        acc.stride(3), out.stride(0), out.stride(1), SPLITS=splits, G=g, GP=_pad(g), D=d, DP=_pad(d),
+    )  # fmt: skip
+    return out
