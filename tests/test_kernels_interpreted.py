@@ -20,5 +20,5 @@ def test_triton_kernels_match_references_in_the_interpreter():
         timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    for name in ("decode_kernels", "prefill_kernel", "moe_kernel", "elementwise_kernels"):
+    for name in ("decode_kernels", "prefill_kernel", "moe_kernel", "fp8_kernels", "elementwise_kernels"):
         assert f"{name} ok" in r.stdout

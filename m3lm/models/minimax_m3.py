@@ -130,8 +130,11 @@ class Attention(nn.Module):
                 self.index_q_norm(self.index_q_proj(x).view(b, self.n_kv, -1)), cos, sin
             )  # [B, K, Di]
             ik = apply_rope(self.index_k_norm(self.index_k_proj(x).view(b, 1, -1)), cos, sin)[:, 0]  # [B, Di]
-            cache.ik[layer][dec.pages, dec.slots] = ik.to(cache.ik[layer].dtype)
-            scores = msa_triton.index_block_scores(iq, cache.ik[layer], dec.tables, dec.lens)  # [B, K, MAXP]
+            cache.write_index(layer, dec.pages, dec.slots, ik)
+            scale = cache.ik_scale.get(layer)  # per-position scales of fp8 index keys, else None
+            scores = msa_triton.index_block_scores(
+                iq, cache.ik[layer], dec.tables, dec.lens, scale
+            )  # [B, K, MAXP]
             block_ids = msa_triton.select_blocks(scores, dec.lens, *self.msa)  # [B, K, k]
         out = msa_triton.paged_attention(
             q, cache.k[layer], cache.v[layer], dec.tables, dec.lens, self.scale, block_ids
