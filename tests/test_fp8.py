@@ -112,3 +112,24 @@ def test_fp8_index_cache_stores_e4m3_with_a_scale_per_token():
     small = KVCache.bytes_per_page(args, torch.bfloat16, index_fp8=True)
     sparse = sum(args.sparse_layers)
     assert full - small == 16 * sparse * (args.index_head_dim * 2 - args.index_head_dim - 4)
+
+
+def test_quantising_a_built_model_matches_its_dequantised_copy():
+    """`keep_mxfp8_(quantize=True)` (the bench's mxfp8 slice) computes with dequant(quantize(W))."""
+    from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
+    from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_, random_init_
+
+    args = m3lm.ModelArgs.from_file(m3lm.DEFAULT_MODEL / "config.json")
+    model = random_init_(MiniMaxM3(args), seed=1)
+    ref = MiniMaxM3(args)
+    with torch.no_grad():
+        for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+            quantised = name.endswith(("proj.weight", "w1", "w2", "w3")) and "lm_head" not in name
+            r.copy_(dequant_mxfp8(*quantize_mxfp8(p)) if quantised else p)
+    before = weight_bytes(model)
+    keep_mxfp8_(model, quantize=True)
+    after = weight_bytes(model)
+    assert before["float32"] - after["float32"] == 4 * after["float8_e4m3fn"] == 128 * after["uint8"]
+    ids = torch.randint(0, args.vocab_size, (1, 150), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.allclose(model(ids), ref(ids), atol=1e-4, rtol=1e-4)
