@@ -41,8 +41,12 @@ def load(
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    quant: str | None = "auto",
 ) -> tuple[MiniMaxM3, Any]:
     """Load a local checkpoint directory: returns (model, tokenizer or None).
+
+    `quant`: "auto" keeps an MXFP8 checkpoint's weights in 8 bits on a GPU, "mxfp8" always
+    (quantising a bf16/fp32 checkpoint at load), "none" dequantises.
 
     The model carries the checkpoint's generation_config.json as `model.generation_config`
     (sampling defaults and EOS ids).
@@ -50,7 +54,7 @@ def load(
     from m3lm.tokenizer import load_tokenizer
 
     path = check_dir(path)
-    model = load_model(path, device=device, dtype=dtype, progress=progress)
+    model = load_model(path, device=device, dtype=dtype, progress=progress, quant=quant)
     model.generation_config = read_generation_config(path)
     return model, load_tokenizer(path)
 

@@ -6,6 +6,12 @@ timed as captured CUDA graph replays (the engine's decode path); prefill as one 
 Each row reports ms, tok/s, the bytes the step must read at least, GB/s and the fraction of the
 floor (bytes at the measured copy bandwidth). With `--compare-transformers` the transformers
 implementation runs on a slice of the same dimensions in the same process.
+
+`--quant bf16,mxfp8` times the same slice with bf16 weights, then with the weights quantised to
+MXFP8 (the release's scheme) and kept in 8 bits. For each decode case it also times the parts
+(embedding + final norm + lm_head, one dense layer, one MoE + MSA layer) as graphs of their own,
+reports the decoder layers alone (step minus embedding and lm_head, which the release keeps in
+bf16) and projects the 60-layer model: head + 3 dense + 57 MoE/MSA layers.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ import torch
 
 from m3lm.cache.kv_cache import KVCache, PagedKV
 from m3lm.config import parse_config
-from m3lm.core import ForwardBatch
+from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.engine.cuda_graphs import DecodeGraphs
-from m3lm.models.minimax_m3 import MiniMaxM3, release_config
+from m3lm.layers.linear import weight_bytes
+from m3lm.layers.rotary import rope_cos_sin
+from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_, release_config
 
+RELEASE_DENSE, RELEASE_SPARSE = 3, 57  # the release's dense + full-attention and MoE + MSA layers
 COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on the H200
 MATMUL_RATE = 790e12  # bf16 FLOP/s, large matrix product measured on the H200
 
@@ -61,6 +70,7 @@ class Row:
     floor_bytes: float
     flops: float
     ref_ms: float | None = None
+    parts: dict | None = None  # decode: ms of the head and of one layer of each kind
 
     @property
     def floor_ms(self) -> float:
@@ -105,7 +115,10 @@ def _active_params(model: MiniMaxM3, with_lm_head: bool = True) -> float:
     a = model.args
     n = 0.0
     for name, p in model.named_parameters():
-        if name.endswith("embed_tokens.weight") or (name == "lm_head.weight" and not with_lm_head):
+        skip = name.endswith(("embed_tokens.weight", "_scale")) or (
+            name == "lm_head.weight" and not with_lm_head
+        )
+        if skip:
             continue
         n += p.numel() * (a.num_experts_per_tok / a.num_local_experts if ".experts." in name else 1)
     return n
@@ -140,6 +153,58 @@ def _time(fn, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _graph_ms(fn, iters: int) -> float:
+    """Median ms of replaying a CUDA graph of `fn` (captured after two warm-up calls)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _time(graph.replay, iters)
+
+
+@torch.inference_mode()
+def decode_parts(model: MiniMaxM3, cache: KVCache, batch: int, pages: int, ctx: int, iters: int) -> dict:
+    """ms of the decode step's parts, each as its own graph: embedding + final norm + lm_head,
+    layer 0 (dense MLP + full attention) and layer 1 (MoE + MSA)."""
+    a, dev = model.args, "cuda"
+    tokens = torch.randint(0, a.vocab_size, (batch,), device=dev)
+    positions = torch.full((batch,), ctx - 1, device=dev)
+    tables = torch.arange(batch * pages, device=dev, dtype=torch.int32).view(batch, pages)
+    dec = DecodeBatch.build(positions, tables, cache, a.index_block_size)
+    cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta)
+    h = model.model.embed_tokens(tokens)  # [B, C]
+    layers = model.model.layers
+
+    def head():
+        model.lm_head(model.model.norm(model.model.embed_tokens(tokens))).float()
+
+    out = {
+        "head": _graph_ms(head, iters),
+        "dense": _graph_ms(lambda: layers[0].decode(h, dec, cos, sin), iters),
+    }
+    if len(layers) > 1:
+        out["sparse"] = _graph_ms(lambda: layers[1].decode(h, dec, cos, sin), iters)
+    return out
+
+
+def parts_line(case: str, step_ms: float, parts: dict, n_layers: int) -> str:
+    """The decoder-layers-only time and the 60-layer projection of one decode case."""
+    sparse = parts.get("sparse", 0.0)
+    proj = parts["head"] + RELEASE_DENSE * parts["dense"] + RELEASE_SPARSE * sparse
+    summed = parts["head"] + parts["dense"] + (n_layers - 1) * sparse
+    return (
+        f"{case}: step {step_ms:.3f} ms; embedding+norm+lm_head {parts['head']:.3f} ms; "
+        f"decoder layers {step_ms - parts['head']:.3f} ms (dense layer {parts['dense']:.3f}, "
+        f"MoE+MSA layer {sparse:.3f}; parts sum to {summed:.3f}); 60-layer projection "
+        f"{parts['head']:.3f} + {RELEASE_DENSE} x {parts['dense']:.3f} + {RELEASE_SPARSE} x {sparse:.3f} = {proj:.2f} ms"
+    )
+
+
 def bench_decode(model: MiniMaxM3, batch: int, ctx: int, iters: int) -> Row:
     s = model.args.index_block_size
     pages = math.ceil(ctx / s)
@@ -151,15 +216,19 @@ def bench_decode(model: MiniMaxM3, batch: int, ctx: int, iters: int) -> Row:
     graphs.run(tokens, [ctx - 1] * batch, tables)
     graph, _ = graphs._graphs[graphs.bucket(batch)]
     ms = _time(graph.replay, iters)
-    del graphs, cache
+    del graphs
+    parts = decode_parts(model, cache, batch, pages, ctx, iters)
+    del cache
     flops = 2 * _active_params(model) * batch
-    return Row(
+    row = Row(
         f"decode B={batch} ctx={ctx}",
         ms,
         batch,
         _weights_bytes(model, batch) + _kv_bytes(model, batch, ctx),
         flops,
+        parts=parts,
     )
+    return row
 
 
 def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
@@ -243,28 +312,64 @@ def bench_attention(model: MiniMaxM3, length: int, iters: int) -> list[Row]:
     return rows
 
 
-def run(args) -> list[Row]:
+def _gb(sizes: dict[str, int]) -> str:
+    return (
+        f"{sum(sizes.values()) / 1e9:.2f} GB ("
+        + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in sizes.items())
+        + ")"
+    )
+
+
+def run(args) -> tuple[list[Row], list[str]]:
+    """Rows of every variant in `args.quant` (bf16 first: the mxfp8 variant quantises in place)."""
     torch.backends.cuda.matmul.allow_tf32 = True
+    quants = args.quant
+    if quants not in (["bf16"], ["mxfp8"], ["bf16", "mxfp8"]):
+        raise ValueError(f"--quant {','.join(quants)}: expected bf16, mxfp8 or bf16,mxfp8")
     t0 = time.time()
     model = build_slice(args.layers)
     print(f"built a {args.layers}-layer slice in {time.time() - t0:.1f} s", flush=True)
-    rows = []
-    for b, ctx in args.decode:
-        rows.append(bench_decode(model, b, ctx, args.iters))
-        print(" | ".join(rows[-1].cells()), flush=True)
-    for t in args.prefill:
-        rows.append(bench_prefill(model, t, max(3, args.iters // 5)))
-        print(" | ".join(rows[-1].cells()), flush=True)
-    for t in args.attention:
-        for row in bench_attention(model, t, max(3, args.iters // 5)):
-            rows.append(row)
-            print(" | ".join(row.cells()), "(reference column: dense flash attention)", flush=True)
+    rows, notes, resident, layers_ms = [], [], {}, {}
+    resident["bf16"] = weight_bytes(model)
+    for quant in quants:
+        if quant == "mxfp8":
+            keep_mxfp8_(model, quantize=True)  # the release's scheme, from the random bf16 weights
+            torch.cuda.empty_cache()
+            resident["mxfp8"] = weight_bytes(model)
+        tag = f" [{quant}]" if len(quants) > 1 or quant != "bf16" else ""
+        notes.append(f"resident weights{tag or ' [bf16]'}: {_gb(resident[quant])}")
+        print(notes[-1], flush=True)
+        first = len(rows)
+        for b, ctx in args.decode:
+            rows.append(bench_decode(model, b, ctx, args.iters))
+            rows[-1].case += tag
+            layers_ms[(quant, b, ctx)] = rows[-1].ms - rows[-1].parts["head"]
+            print(" | ".join(rows[-1].cells()), flush=True)
+            notes.append(parts_line(rows[-1].case, rows[-1].ms, rows[-1].parts, args.layers))
+            print(notes[-1], flush=True)
+        for t in args.prefill:
+            rows.append(bench_prefill(model, t, max(3, args.iters // 5)))
+            rows[-1].case += tag
+            print(" | ".join(rows[-1].cells()), flush=True)
+        if quant == quants[0]:
+            first_rows = rows[first:]
+            for t in args.attention:
+                for row in bench_attention(model, t, max(3, args.iters // 5)):
+                    rows.append(row)
+                    print(" | ".join(row.cells()), "(reference column: dense flash attention)", flush=True)
+    if len(resident) == 2:
+        ratio = sum(resident["mxfp8"].values()) / sum(resident["bf16"].values())
+        notes.append(f"resident weights mxfp8 / bf16: {ratio:.3f}")
+        for b, ctx in args.decode:
+            speed = layers_ms[("bf16", b, ctx)] / layers_ms[("mxfp8", b, ctx)]
+            notes.append(f"decode B={b} ctx={ctx}: decoder layers bf16 / mxfp8 = {speed:.2f}x")
+        print("\n".join(notes[-1 - len(args.decode) :]), flush=True)
     cfg = release_slice_config(args.layers)
     del model
     torch.cuda.empty_cache()
     if args.compare_transformers:
-        _compare(cfg, args, rows)
-    return rows
+        _compare(cfg, args, first_rows)
+    return rows, notes
 
 
 def _compare(cfg: dict, args, rows: list[Row]) -> None:
@@ -302,7 +407,7 @@ def _hf_config(cfg: dict) -> dict:
     }  # fmt: skip
 
 
-def markdown(rows: list[Row], command: str) -> str:
+def markdown(rows: list[Row], command: str, notes: list[str] = ()) -> str:
     head = [
         "case",
         "ms",
@@ -324,4 +429,6 @@ def markdown(rows: list[Row], command: str) -> str:
         "|" + "---|" * len(head),
     ]
     lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
+    if notes:
+        lines += ["", *(f"- {n}" for n in notes)]
     return "\n".join(lines) + "\n"

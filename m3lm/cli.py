@@ -169,8 +169,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     args.decode = [tuple(int(x) for x in item.lower().split("x")) for item in args.decode.split(",") if item]
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     args.attention = [int(x) for x in args.attention.split(",") if x]
-    rows = bench.run(args)
-    report = bench.markdown(rows, "m3lm " + " ".join(sys.argv[1:]))
+    args.quant = [q for q in args.quant.split(",") if q]
+    rows, notes = bench.run(args)
+    report = bench.markdown(rows, "m3lm " + " ".join(sys.argv[1:]), notes)
     print(report)
     if args.out:
         with open(args.out, "a") as f:
@@ -241,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--prefill", default="4096,8192", help="prefill lengths (batch 1)")
     bn.add_argument("--attention", default="", help="MSA attention lengths to time against dense flash")
     bn.add_argument("--iters", type=int, default=20)
+    bn.add_argument(
+        "--quant", default="bf16", help="weights: bf16, mxfp8 (kept 8-bit) or bf16,mxfp8 (both, one process)"
+    )
     bn.add_argument("--compare-transformers", action="store_true")
     bn.add_argument("--out", default=None, help="append the Markdown report to this file")
     bn.set_defaults(func=cmd_bench)

@@ -353,6 +353,8 @@ class EngineConfig:
     `max_num_seqs` sequences of `max_model_len`, capped by `kv_cache_bytes`). `msa_dense_window`
     F > 0 is an opt-in approximation: a sparse layer attends densely while its selected window
     covers at least 1/F of the context (t < F * topk * block_size); off (exact MSA) by default.
+    `index_cache_fp8` stores the MSA index keys as e4m3 with one fp32 scale per token (about half
+    the bytes); it rounds the index scores, so it may change block selections: off by default.
     """
 
     max_num_seqs: int = 64
@@ -362,6 +364,7 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30
     msa_dense_window: float | None = None
     cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs
+    index_cache_fp8: bool = False
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_tokens"):

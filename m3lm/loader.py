@@ -10,6 +10,7 @@ bad checkpoint fails before anything is loaded.
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,12 +21,16 @@ from safetensors import safe_open
 
 from m3lm.config import ModelArgs
 from m3lm.errors import CheckpointError
-from m3lm.kernels.fp8 import MX_BLOCK, dequant_mxfp8
+from m3lm.kernels.fp8 import MX_BLOCK, dequant_mxfp8, mxfp8_invalid, quantize_mxfp8
+from m3lm.layers.linear import weight_bytes
 from m3lm.models.minimax_m3 import MiniMaxM3, Piece, release_name, remap_key
+
+log = logging.getLogger("m3lm")
 
 SCALE_SUFFIX = "_scale_inv"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+QUANT_MODES = ("auto", "mxfp8", "none")
 FP32_PARAMS = ("block_sparse_moe.gate.weight", "block_sparse_moe.e_score_correction_bias")
 
 
@@ -47,6 +52,22 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
     raise ValueError(f"unsupported dtype {dtype!r} (expected one of {sorted(DTYPES)})")
+
+
+def resolve_quant(quant: str | None, args: ModelArgs, device: torch.device) -> str | None:
+    """ "auto": keep an MXFP8 checkpoint in 8 bits on a GPU (dequantise on the CPU); "mxfp8": keep
+    (or quantise at load) whatever the checkpoint; "none": dequantise. Returns the model's quant."""
+    quant = quant or "auto"
+    if quant not in QUANT_MODES:
+        raise ValueError(f"quant = {quant!r} is not supported (expected one of {list(QUANT_MODES)})")
+    if quant == "auto":
+        return "mxfp8" if args.quant_method == "mxfp8" and device.type == "cuda" else None
+    return None if quant == "none" else quant
+
+
+def scale_params(params: dict) -> set[str]:
+    """The E8M0 scale parameters of 8-bit weights (`<weight>_scale`), written with their weight."""
+    return {n + "_scale" for n in params if n + "_scale" in params}
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -96,6 +117,8 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
 def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3) -> list[Source]:
     """Map every checkpoint tensor to parameter pieces; raise on any gap, overlap or mismatch."""
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for n in scale_params(params):
+        del params[n]
     tensors = _headers(files)
     sources, errors, unclaimed = [], [], []
     written: dict[tuple[str, int | None], int] = defaultdict(int)
@@ -175,12 +198,8 @@ def stream_weights(
                         scale = _read_scale(st, src) if src.scale else None
                         for p in src.pieces:
                             t = sl[p.index] if p.index else sl[:]
-                            if scale is not None:
-                                t = dequant_mxfp8(t, scale[p.index] if p.index else scale[:])
-                            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                                raise CheckpointError(f"{src.name} holds NaN or Inf values")
-                            target = params[p.param] if p.slot is None else params[p.param][p.slot]
-                            target.copy_(t)
+                            s = (scale[p.index] if p.index else scale[:]) if scale is not None else None
+                            _write(params, p, t, s, src.name)
                         done += 1
                         if progress is not None:
                             progress(done, len(sources))
@@ -190,13 +209,41 @@ def stream_weights(
                 raise CheckpointError(f"{file}: cannot read tensor data ({e})") from None
 
 
+def _write(params: dict, p: Piece, t: torch.Tensor, scale: torch.Tensor | None, name: str) -> None:
+    """Copy one piece into its parameter: kept in 8 bits when the parameter is (quantised at load if
+    the checkpoint is not), otherwise dequantised; NaN/Inf in any encoding is refused."""
+    target = params[p.param] if p.slot is None else params[p.param][p.slot]
+    if target.dtype == torch.float8_e4m3fn:
+        if scale is None:
+            _check_finite(t, name)
+            t, scale = quantize_mxfp8(t)
+        elif mxfp8_invalid(t, scale):
+            raise CheckpointError(f"{name} holds NaN values (e4m3 or E8M0 NaN encodings)")
+        sc = params[p.param + "_scale"]
+        target.copy_(t)
+        (sc if p.slot is None else sc[p.slot]).copy_(scale)
+        return
+    if scale is not None:
+        t = dequant_mxfp8(t, scale)
+    _check_finite(t, name)
+    target.copy_(t)
+
+
+def _check_finite(t: torch.Tensor, name: str) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise CheckpointError(f"{name} holds NaN or Inf values")
+
+
 def load_model(
     path: str | Path,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    quant: str | None = "auto",
 ) -> MiniMaxM3:
-    """Read config.json and the weights of a local checkpoint directory into a MiniMaxM3."""
+    """Read config.json and the weights of a local checkpoint directory into a MiniMaxM3.
+
+    `quant` (see `resolve_quant`): by default an MXFP8 checkpoint stays 8-bit on a GPU."""
     path = check_dir(path)
     args = ModelArgs.from_file(path / "config.json")
     files = weight_files(path)
@@ -207,8 +254,14 @@ def load_model(
     )
     dt = resolve_dtype(dtype, dev)
     with torch.device("meta"):
-        model = MiniMaxM3(args, dtype=dt)
+        model = MiniMaxM3(args, dtype=dt, quant=resolve_quant(quant, args, dev))
     sources = plan(files, args, model)  # a bad checkpoint fails here, before anything is allocated
     model = model.to_empty(device=dev)
     stream_weights(model, sources, progress)
+    sizes = weight_bytes(model)
+    log.info(
+        "resident weights: %.3f GB (%s)",
+        sum(sizes.values()) / 1e9,
+        ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sizes.items()),
+    )
     return model.eval().requires_grad_(False)

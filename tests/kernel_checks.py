@@ -10,9 +10,11 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
-from m3lm.kernels import fused, msa_triton
+from m3lm.kernels import fused, moe_triton, msa_triton
+from m3lm.kernels.fp8 import dequant_mxfp8, dequant_rows_fp8, quantize_mxfp8, quantize_rows_fp8
+from m3lm.kernels.fp8_triton import mxfp8_matmul
 from m3lm.kernels.moe import moe_experts_ref
-from m3lm.kernels import moe_triton
+from m3lm.kernels.moe_fp8_triton import moe_experts_fp8
 from m3lm.kernels.moe_triton import moe_experts
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
 from m3lm.kernels.msa_prefill_triton import index_block_scores, msa_prefill_attention, msa_select
@@ -106,8 +108,44 @@ def routing_kernels():
         w_ref, ids_ref = route(logits, bias, a)
         assert torch.equal(ids, ids_ref)
         close(w, w_ref, 1e-6)
-        for got, want in zip(moe_triton.align(ids, e, block_m), moe_triton.align_ref(ids, e, block_m), strict=True):
+        for got, want in zip(
+            moe_triton.align(ids, e, block_m), moe_triton.align_ref(ids, e, block_m), strict=True
+        ):
             assert torch.equal(got, want), (got, want)
+
+
+def fp8_kernels():
+    """Weight-only FP8 kernels against matmuls on the dequantised weights (fp32 activations: the
+    interpreter's bf16 dot is not usable; the GPU tests cover bf16)."""
+    for t, o, k, config in [
+        (1, 48, 64, None),
+        (5, 40, 96, None),
+        (40, 70, 128, None),
+        (3, 24, 256, (16, 16, 64, 4, 1)),
+    ]:
+        q, s = quantize_mxfp8(torch.randn(o, k) * 0.1)
+        s[0, -1] += 3  # blocks of one row with different exponents
+        x = torch.randn(t, k)
+        close(mxfp8_matmul(x, q, s, config), x @ dequant_mxfp8(q, s).T)
+    for t, e, a, c, i in [(1, 8, 2, 64, 32), (9, 6, 3, 96, 64), (40, 8, 2, 64, 32)]:
+        x = torch.randn(t, c)
+        w1, w3, w2 = (
+            quantize_mxfp8(torch.randn(*shape) * 0.1) for shape in ((e, i, c), (e, i, c), (e, c, i))
+        )
+        weights, ids = route(torch.randn(t, e), torch.zeros(e), a)
+        deq = [dequant_mxfp8(*w) for w in (w1, w3, w2)]
+        close(
+            moe_experts_fp8(x, weights, ids, *w1, *w3, *w2, 1.702, 7.0),
+            moe_experts_ref(x, weights, ids, *deq, 1.702, 7.0),
+        )
+    lens = torch.tensor([5, 30], dtype=torch.int32)
+    ikq, iks = quantize_rows_fp8(torch.randn(20, 4, 16) * 3)
+    tables = torch.tensor([[7, 0, 0, 0, 0, 0, 0, 0], [3, 9, 1, 12, 4, 5, 6, 8]], dtype=torch.int32)
+    iq = torch.randn(2, 2, 16)
+    scores = msa_triton.index_block_scores(iq, ikq, tables, lens, iks)
+    ref = msa_triton.index_block_scores(iq, dequant_rows_fp8(ikq, iks), tables, lens)
+    assert torch.equal(scores.isinf(), ref.isinf()) and int(ref.isfinite().sum()) == 2 * (2 + 8)
+    close(scores.nan_to_num(0, 0, 0), ref.nan_to_num(0, 0, 0), 1e-3)
 
 
 def elementwise_kernels():
@@ -121,6 +159,14 @@ def elementwise_kernels():
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    for check in (decode_kernels, prefill_kernel, prefill_selection, moe_kernel, routing_kernels, elementwise_kernels):
+    for check in (
+        decode_kernels,
+        prefill_kernel,
+        prefill_selection,
+        moe_kernel,
+        routing_kernels,
+        fp8_kernels,
+        elementwise_kernels,
+    ):
         check()
         print(check.__name__, "ok", flush=True)

@@ -225,3 +225,88 @@ def test_prefill_kernel_matches_reference(dtype, h, k, d, s, topk, tk, t):
         out = msa_prefill_attention(q, kk, vv, pos, d**-0.5, block_ids, s)
         ref = msa_attention_ref(q.float(), kk.float(), vv.float(), pos, d**-0.5, block_ids, s)
         assert rel(out, ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("t", "o", "k"), [(1, 512, 6144), (1, 6144, 3072), (64, 3072, 6144), (300, 200, 512)]
+)
+def test_fp8_matmul_matches_dequantised_reference(dtype, t, o, k):
+    from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
+    from m3lm.kernels.fp8_triton import mxfp8_matmul
+
+    gen = torch.Generator(device="cpu").manual_seed(t + o)
+    q, s = (u.to(DEV) for u in quantize_mxfp8(torch.randn(o, k, generator=gen) * 0.02))
+    x = torch.randn(t, k, generator=gen).to(DEV, dtype)
+    ref = x.float() @ dequant_mxfp8(q, s).T
+    assert rel(mxfp8_matmul(x, q, s), ref) < (1e-4 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("t", "e", "a", "c", "i"), [(1, 8, 2, 64, 32), (64, 32, 4, 512, 256), (2000, 16, 4, 256, 96)]
+)
+def test_fp8_fused_moe_matches_reference(dtype, t, e, a, c, i):
+    from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
+    from m3lm.kernels.moe_fp8_triton import moe_experts_fp8
+
+    gen = torch.Generator(device="cpu").manual_seed(t)
+    x = torch.randn(t, c, generator=gen).to(DEV, dtype)
+    ws = [
+        [u.to(DEV) for u in quantize_mxfp8(torch.randn(*sh, generator=gen) * 0.05)]
+        for sh in ((e, i, c), (e, i, c), (e, c, i))
+    ]
+    weights, ids = route(torch.randn(t, e, generator=gen).to(DEV), torch.zeros(e, device=DEV), a)
+    out = moe_experts_fp8(x, weights, ids, *ws[0], *ws[1], *ws[2], 1.702, 7.0)
+    ref = moe_experts_ref(x.float(), weights, ids, *(dequant_mxfp8(*w) for w in ws), 1.702, 7.0)
+    assert rel(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def test_fp8_index_scores_match_reference():
+    from m3lm.kernels import msa_triton as mt
+    from m3lm.kernels.fp8 import dequant_rows_fp8, quantize_rows_fp8
+
+    _, _, ikp, _, iq, tables, lt = paged_case(
+        4, 64, 4, 128, 128, 128, [100, 2048, 2049, 9000], torch.bfloat16
+    )
+    ikq, iks = quantize_rows_fp8(ikp)
+    got = mt.index_block_scores(iq, ikq, tables, lt, iks)
+    ref = mt.index_block_scores(iq.float(), dequant_rows_fp8(ikq, iks), tables, lt)
+    assert torch.equal(got.isinf(), ref.isinf())
+    assert rel(got.nan_to_num(0, 0, 0), ref.nan_to_num(0, 0, 0)) < 1e-2
+
+
+@pytest.mark.parametrize("fixture", [f for f in golden_params() if f.values[0] is None or "mxfp8" in f.id])
+def test_mxfp8_golden_kept_8bit_on_gpu(fixture):
+    exp = load_file(fixture / "expected.safetensors")
+    model, _ = m3lm.load(fixture, device=DEV, dtype="bfloat16")  # an MXFP8 checkpoint stays 8-bit on a GPU
+    assert model.model.layers[1].block_sparse_moe.experts.w1.dtype == torch.float8_e4m3fn
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn
+    with torch.inference_mode():
+        short = model(exp["prefill_5.input_ids"].to(DEV))[0].float().cpu()
+    assert float((short - exp["prefill_5.logits"]).abs().max() / exp["prefill_5.logits"].abs().max()) < 3e-2
+
+
+@pytest.mark.parametrize("index_fp8", [False, True])
+def test_engine_graphs_with_mxfp8_weights_match_cpu(tiny_path, index_fp8):
+    """Weights quantised at load (same bits on both devices), decode through CUDA graphs."""
+    cpu, _ = m3lm.load(tiny_path, device="cpu", dtype="float32", quant="mxfp8")
+    gpu, _ = m3lm.load(tiny_path, device=DEV, dtype="float32", quant="mxfp8")
+    assert gpu.model.layers[1].self_attn.index_q_proj.weight.dtype == torch.float8_e4m3fn
+    prompts = [
+        torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 40, 25)
+    ]
+    params = m3lm.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    def run(model):
+        config = EngineConfig(max_num_seqs=4, max_model_len=128, index_cache_fp8=index_fp8)
+        engine = LLMEngine(model, None, config)
+        seqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        return [s.output_ids for s in seqs], engine
+
+    want, _ = run(cpu)
+    got, engine = run(gpu)
+    assert got == want
+    assert engine.runner.graphs is not None and engine.runner.graphs._graphs

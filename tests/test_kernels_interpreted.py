@@ -20,5 +20,13 @@ def test_triton_kernels_match_references_in_the_interpreter():
         timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    for name in ("decode_kernels", "prefill_kernel", "prefill_selection", "moe_kernel", "routing_kernels", "elementwise_kernels"):
+    for name in (
+        "decode_kernels",
+        "prefill_kernel",
+        "prefill_selection",
+        "moe_kernel",
+        "routing_kernels",
+        "fp8_kernels",
+        "elementwise_kernels",
+    ):
         assert f"{name} ok" in r.stdout

@@ -1,7 +1,8 @@
 """Paged KV and index-key pools, and the per-forward view that attention layers write through.
 
 Pools: per layer K and V [P, S, K, D]; per sparse layer index keys [P, S, Di] (post-norm,
-post-RoPE). P pages of S positions; page p of a sequence holds positions S*i .. S*i+S-1 where
+post-RoPE), optionally e4m3 with one fp32 scale per position [P, S] (`index_fp8`, off by
+default: it halves the index keys' bytes at the cost of rounding the scores). P pages of S positions; page p of a sequence holds positions S*i .. S*i+S-1 where
 p = table[i].
 """
 
@@ -10,28 +11,54 @@ from __future__ import annotations
 import torch
 
 from m3lm.config import ModelArgs
+from m3lm.kernels.fp8 import dequant_rows_fp8, quantize_rows_fp8
 
 
 class KVCache:
-    def __init__(self, args: ModelArgs, num_pages: int, device: torch.device | str, dtype: torch.dtype):
+    def __init__(
+        self,
+        args: ModelArgs,
+        num_pages: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        index_fp8: bool = False,
+    ):
         self.page_size = args.index_block_size
         self.num_pages = num_pages
         shape = (num_pages, self.page_size, args.num_key_value_heads, args.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_hidden_layers)]
         ishape = (num_pages, self.page_size, args.index_head_dim)
-        self.ik = {
-            i: torch.zeros(ishape, device=device, dtype=dtype)
-            for i, sparse in enumerate(args.sparse_layers)
-            if sparse
-        }
+        sparse = [i for i, sp in enumerate(args.sparse_layers) if sp]
+        idt = torch.float8_e4m3fn if index_fp8 else dtype
+        self.ik = {i: torch.zeros(ishape, device=device, dtype=idt) for i in sparse}
+        # Per-position scales of the fp8 index keys (empty when the keys are kept in `dtype`).
+        self.ik_scale = {i: torch.zeros(ishape[:2], device=device) for i in sparse} if index_fp8 else {}
 
     @staticmethod
-    def bytes_per_page(args: ModelArgs, dtype: torch.dtype) -> int:
+    def bytes_per_page(args: ModelArgs, dtype: torch.dtype, index_fp8: bool = False) -> int:
         elem = torch.empty(0, dtype=dtype).element_size()
-        kv = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim
-        index = sum(args.sparse_layers) * args.index_head_dim
-        return args.index_block_size * (kv + index) * elem
+        kv = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * elem
+        index = sum(args.sparse_layers) * (
+            args.index_head_dim + 4 if index_fp8 else args.index_head_dim * elem
+        )
+        return args.index_block_size * (kv + index)
+
+    def write_index(self, layer: int, pages: torch.Tensor, slots: torch.Tensor, ik: torch.Tensor) -> None:
+        """Store index keys ik [n, Di] at (pages, slots) [n], quantised per position when fp8."""
+        if layer in self.ik_scale:
+            q, scale = quantize_rows_fp8(ik)
+            self.ik[layer][pages, slots] = q
+            self.ik_scale[layer][pages, slots] = scale
+        else:
+            self.ik[layer][pages, slots] = ik.to(self.ik[layer].dtype)
+
+    def read_index(self, layer: int, table: torch.Tensor, total: int, dtype: torch.dtype) -> torch.Tensor:
+        """A sequence's index keys [total, Di] from its pages `table`, dequantised to `dtype`."""
+        keys = self.ik[layer][table].flatten(0, 1)[:total]
+        if layer in self.ik_scale:
+            return dequant_rows_fp8(keys, self.ik_scale[layer][table].flatten(0, 1)[:total], dtype)
+        return keys
 
 
 class PagedKV:
@@ -66,4 +93,7 @@ class PagedKV:
         return self._append(self.cache.k[layer], seq, k), self._append(self.cache.v[layer], seq, v)
 
     def update_index(self, layer: int, seq: int, ik: torch.Tensor) -> torch.Tensor:
-        return self._append(self.cache.ik[layer], seq, ik)
+        pages, slots = self._write[seq]
+        self.cache.write_index(layer, pages, slots, ik)
+        table, total = self._read[seq]
+        return self.cache.read_index(layer, table, total, ik.dtype)

@@ -58,7 +58,7 @@ class LLMEngine:
         args = model.args
         weight = model.lm_head.weight
         self.device = weight.device
-        per_page = KVCache.bytes_per_page(args, weight.dtype)
+        per_page = KVCache.bytes_per_page(args, weight.dtype, config.index_cache_fp8)
         page = args.index_block_size
         max_pos = args.max_position_embeddings
         self.max_model_len = min(config.max_model_len or max_pos, max_pos)
@@ -75,7 +75,7 @@ class LLMEngine:
             )
         num_pages = -(-capacity // page)
         # One spare page beyond the block manager's: padding rows of graph-captured steps write there.
-        self.cache = KVCache(args, num_pages + 1, self.device, weight.dtype)
+        self.cache = KVCache(args, num_pages + 1, self.device, weight.dtype, config.index_cache_fp8)
         self.blocks = BlockManager(num_pages, page)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         graphs = None

@@ -29,3 +29,48 @@ def quantize_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exp = torch.ceil(torch.log2(amax / 448.0)).clamp(-127, 127)
     q = (blocks / torch.exp2(exp)[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     return q.flatten(-2), (exp + 127).to(torch.uint8)
+
+
+def mxfp8_invalid(q: torch.Tensor, scale: torch.Tensor) -> bool:
+    """True when a kept-8-bit tensor encodes NaN: e4m3fn S.1111.111 (it has no Inf) or E8M0 255."""
+    return bool(((q.view(torch.uint8) & 0x7F) == 0x7F).any() or (scale == 255).any())
+
+
+def mxfp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = x @ W.T with W = dequant_mxfp8(q, scale): x [..., In], q [O, In], scale [O, In/32] -> [..., O].
+
+    On the GPU a weight-only FP8 kernel dequantises each 32-block in registers; on the CPU the
+    weight is dequantised to x's dtype and multiplied (the reference).
+    """
+    if x.is_cuda:
+        from m3lm.kernels.fp8_triton import mxfp8_matmul
+
+        return mxfp8_matmul(x.reshape(-1, x.shape[-1]), q, scale).view(*x.shape[:-1], q.shape[0])
+    return x @ dequant_mxfp8(q, scale, x.dtype).T
+
+
+def moe_experts_mxfp8(x, weights, ids, w1, s1, w3, s3, w2, s2, alpha: float, limit: float) -> torch.Tensor:
+    """`moe_experts_ref`'s contract with MXFP8 experts: w1/w3 [E, I, C] + scales [E, I, C/32], w2 [E, C, I]
+    + [E, C, I/32]. GPU: weight-only FP8 grouped GEMM; CPU: dequantise, then the reference."""
+    if x.is_cuda:
+        from m3lm.kernels.moe_fp8_triton import moe_experts_fp8
+
+        return moe_experts_fp8(x, weights, ids, w1, s1, w3, s3, w2, s2, alpha, limit)
+    from m3lm.kernels.moe import moe_experts_ref
+
+    deq = [dequant_mxfp8(w, s, x.dtype) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
+    return moe_experts_ref(x, weights, ids, *deq, alpha, limit)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 with one fp32 scale (amax / 448): x [..., D] -> (q [..., D], scale [...]).
+
+    Used for the optional FP8 index-key cache (one scale per cached token)."""
+    scale = x.float().abs().amax(-1).clamp(min=1e-12) / 448.0
+    return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def dequant_rows_fp8(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    return (q.float() * scale[..., None]).to(dtype)

@@ -24,10 +24,10 @@ import triton.language as tl
 
 @triton.jit
 def _index_scores_kernel(
-    iq_ptr, ik_ptr, tables_ptr, lens_ptr, out_ptr,
+    iq_ptr, ik_ptr, iks_ptr, tables_ptr, lens_ptr, out_ptr,
     s_iqb, s_iqh, s_ikp, s_iks, s_tb, s_ob, s_oh,
     K: tl.constexpr, KP: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     blk = tl.program_id(1)
@@ -48,7 +48,11 @@ def _index_scores_kernel(
             mask=(offs_s[:, None] < S) & d_ok,
             other=0.0,
         )
+        if FP8:  # e4m3 keys: exact in iq's dtype; their per-position scale multiplies the scores
+            ik = ik.to(iq.dtype)
         s = tl.dot(iq, tl.trans(ik), out_dtype=tl.float32, input_precision=PREC)  # [KP, SP]
+        if FP8:
+            s = s * tl.load(iks_ptr + page * S + offs_s, mask=offs_s < S, other=0.0)[None, :]
         s = tl.where((offs_s[None, :] < S) & ((blk * S + offs_s)[None, :] < length), s, float("-inf"))
         best = tl.max(s, axis=1)
     else:
@@ -57,18 +61,24 @@ def _index_scores_kernel(
 
 
 def index_block_scores(
-    iq: torch.Tensor, ik_pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+    iq: torch.Tensor,
+    ik_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    ik_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """iq [B, K, Di], ik_pool [P, S, Di], tables [B, MAXP] int32, lens [B] int32 -> [B, K, MAXP] fp32."""
+    """iq [B, K, Di], ik_pool [P, S, Di], tables [B, MAXP] int32, lens [B] int32 -> [B, K, MAXP] fp32.
+
+    With ik_scale [P, S] fp32 (contiguous) the pool holds e4m3 keys, key = pool * scale."""
     b, k, di = iq.shape
     maxp = tables.shape[1]
     out = torch.empty(b, k, maxp, device=iq.device, dtype=torch.float32)
     iq = iq.contiguous()
     _index_scores_kernel[(b, maxp)](
-        iq, ik_pool, tables, lens, out,
+        iq, ik_pool, ik_scale if ik_scale is not None else out, tables, lens, out,
         iq.stride(0), iq.stride(1), ik_pool.stride(0), ik_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
         K=k, KP=max(16, triton.next_power_of_2(k)), DI=di, DIP=_pad(di), S=ik_pool.shape[1],
-        SP=_pad(ik_pool.shape[1]), PREC=_precision(iq),
+        SP=_pad(ik_pool.shape[1]), PREC=_precision(iq), FP8=ik_scale is not None,
     )  # fmt: skip
     return out
 

@@ -19,8 +19,10 @@ from torch import nn
 
 from m3lm.config import ModelArgs
 from m3lm.core import DecodeBatch, ForwardBatch
+from m3lm.kernels.fp8 import MX_BLOCK, moe_experts_mxfp8, quantize_mxfp8
 from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.msa import msa_attention_ref, msa_attention_sdpa, msa_select_ref
+from m3lm.layers.linear import fp8_parameter, to_mxfp8_
 from m3lm.layers.mlp import MLP
 from m3lm.layers.moe import route
 from m3lm.layers.norm import RMSNorm
@@ -146,8 +148,11 @@ class Attention(nn.Module):
                 self.index_q_norm(self.index_q_proj(x).view(b, self.n_kv, -1)), cos, sin
             )  # [B, K, Di]
             ik = apply_rope(self.index_k_norm(self.index_k_proj(x).view(b, 1, -1)), cos, sin)[:, 0]  # [B, Di]
-            cache.ik[layer][dec.pages, dec.slots] = ik.to(cache.ik[layer].dtype)
-            scores = msa_triton.index_block_scores(iq, cache.ik[layer], dec.tables, dec.lens)  # [B, K, MAXP]
+            cache.write_index(layer, dec.pages, dec.slots, ik)
+            scale = cache.ik_scale.get(layer)  # per-position scales of fp8 index keys, else None
+            scores = msa_triton.index_block_scores(
+                iq, cache.ik[layer], dec.tables, dec.lens, scale
+            )  # [B, K, MAXP]
             block_ids = msa_triton.select_blocks(scores, dec.lens, *self.msa)  # [B, K, k]
         out = msa_triton.paged_attention(
             q, cache.k[layer], cache.v[layer], dec.tables, dec.lens, self.scale, block_ids
@@ -164,6 +169,23 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, i, c, dtype=dtype))
         self.w3 = nn.Parameter(torch.empty(e, i, c, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(e, c, i, dtype=dtype))
+
+    def to_mxfp8_(self, quantize: bool = False) -> None:
+        """Hold w1/w3/w2 as e4m3 with E8M0 scales `w*_scale` [E, O, In/32]: empty (to be loaded), or
+        quantised from the current weights one expert at a time (`quantize`)."""
+        for name in ("w1", "w3", "w2"):
+            w = getattr(self, name)
+            if w.shape[-1] % MX_BLOCK or w.dtype == torch.float8_e4m3fn:
+                continue
+            with torch.device(w.device):
+                q = fp8_parameter(*w.shape, dtype=torch.float8_e4m3fn)
+                s = fp8_parameter(*w.shape[:-1], w.shape[-1] // MX_BLOCK, dtype=torch.uint8)
+            if quantize:
+                with torch.no_grad():
+                    for e in range(w.shape[0]):
+                        q[e], s[e] = quantize_mxfp8(w[e])
+            setattr(self, name, q)
+            setattr(self, name + "_scale", s)
 
 
 class MoE(nn.Module):
@@ -183,10 +205,14 @@ class MoE(nn.Module):
         logits = nn.functional.linear(x.float(), self.gate.weight)  # [T, E] fp32
         weights, ids = route(logits, self.e_score_correction_bias, self.top_k)  # [T, A]
         ex = self.experts
-        experts = moe_experts_ref
-        if x.is_cuda:  # the Triton grouped GEMM; imported here so CPU installs need no Triton
-            from m3lm.kernels.moe_triton import moe_experts as experts
-        routed = experts(x, weights, ids, ex.w1, ex.w3, ex.w2, self.alpha, self.limit)  # [T, C] fp32
+        if ex.w1.dtype == torch.float8_e4m3fn:  # weight-only FP8 experts (dequantised on the CPU)
+            scales = (ex.w1, ex.w1_scale, ex.w3, ex.w3_scale, ex.w2, ex.w2_scale)
+            routed = moe_experts_mxfp8(x, weights, ids, *scales, self.alpha, self.limit)  # [T, C] fp32
+        else:
+            experts = moe_experts_ref
+            if x.is_cuda:  # the Triton grouped GEMM; imported here so CPU installs need no Triton
+                from m3lm.kernels.moe_triton import moe_experts as experts
+            routed = experts(x, weights, ids, ex.w1, ex.w3, ex.w2, self.alpha, self.limit)  # [T, C] fp32
         # routed_scaling_factor scales the routed sum only; the shared expert enters at 1.0.
         return (routed * self.scaling + self.shared_experts(x).float()).to(x.dtype)
 
@@ -228,11 +254,15 @@ class Decoder(nn.Module):
 class MiniMaxM3(nn.Module):
     """The causal LM: `model(input_ids [B, T])` -> logits [B, T, V] (full causal forward, no cache)."""
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32, quant: str | None = None):
         super().__init__()
         self.args = args
         self.model = Decoder(args, dtype)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+        if quant == "mxfp8":
+            keep_mxfp8_(self)
+        elif quant is not None:
+            raise ValueError(f"quant = {quant!r} is not supported (expected None or 'mxfp8')")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dim() != 2:
@@ -265,6 +295,27 @@ class MiniMaxM3(nn.Module):
         for layer in self.model.layers:
             h = layer.decode(h, dec, cos, sin)
         return self.lm_head(self.model.norm(h)).float()
+
+
+MXFP8_LINEARS = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj", "index_q_proj", "index_k_proj")),
+    ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    ("block_sparse_moe.shared_experts", ("gate_proj", "up_proj", "down_proj")),
+)
+
+
+def keep_mxfp8_(model: MiniMaxM3, quantize: bool = False) -> MiniMaxM3:
+    """Hold in 8 bits exactly what the MXFP8 release stores so: attention and indexer projections,
+    dense MLP, shared and routed experts (embedding, lm_head, norms and router stay as they are).
+    Empty weights for the loader, or `quantize` the current ones (the release's scheme)."""
+    for layer in model.model.layers:
+        for path, names in MXFP8_LINEARS:
+            owner = layer.get_submodule(path) if hasattr(layer, path.split(".")[0]) else None
+            if owner is not None:
+                to_mxfp8_(owner, names, quantize)
+        if hasattr(layer, "block_sparse_moe"):
+            layer.block_sparse_moe.experts.to_mxfp8_(quantize)
+    return model
 
 
 def random_init_(model: MiniMaxM3, std: float = 0.02, seed: int = 0) -> MiniMaxM3:
