@@ -13,8 +13,10 @@ class KVStore(Protocol):
 
     `update` appends one sequence's new keys/values for a layer and returns all of that
     sequence's keys/values so far ([Tk, K, D] each); `update_index` does the same for the
-    index keys of a sparse layer ([Tk, Di]).
+    index keys of a sparse layer ([Tk, Di]). `starts` holds each sequence's first new position.
     """
+
+    starts: list[int]
 
     def update(
         self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor
@@ -36,6 +38,10 @@ class ForwardBatch:
     q_lens: list[int]
     kv: KVStore | None = None
     msa_dense_window: float | None = None  # opt-in approximation, see EngineConfig
+
+    def first_position(self, seq: int) -> int:
+        """Position of sequence `seq`'s first token in this pass (host side, no device read)."""
+        return self.kv.starts[seq] if self.kv is not None else 0
 
     @classmethod
     def full(cls, batch: int, length: int, device: torch.device | str | None = None) -> ForwardBatch:

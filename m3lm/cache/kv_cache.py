@@ -70,6 +70,7 @@ class PagedKV:
 
     def __init__(self, cache: KVCache, tables: list[list[int]], starts: list[int], q_lens: list[int]):
         self.cache = cache
+        self.starts = list(starts)
         s = cache.page_size
         device = cache.k[0].device
         self._write, self._read = [], []

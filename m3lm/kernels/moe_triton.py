@@ -216,17 +216,20 @@ def _moe_gate_up_kernel(
     tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-def tiles(m: int) -> tuple[int, tuple, tuple]:
-    """(BLOCK_M, gate/up tile, down tile) for M token-expert pairs; tiles are (BN, BK, warps, stages).
+def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tuple]]:
+    """((BLOCK_M, tile) of the gate/up kernel, (BLOCK_M, tile) of the down GEMM) for M pairs.
 
-    From `benchmarks/moe_configs.py` on the H200 at the release's dimensions: wide K for a few
-    rows (decode reads weights), large square tiles for many (prefill multiplies).
+    A tile is (BN, BK, warps, stages). From `benchmarks/moe_configs.py` on the H200 at the
+    release's dimensions: wide K for a few rows (decode reads weights), large tiles for many
+    (prefill multiplies). fp32 (tests, CPU-sized models) takes small tiles that fit in shared memory.
     """
+    if dtype == torch.float32:
+        return (16, (64, 32, 4, 2)), (16, (64, 32, 4, 2))
     if m <= 64:
-        return 16, (64, 256, 4, 3), (64, 128, 4, 4)
+        return (16, (128, 128, 4, 3)), (16, (64, 128, 4, 3))
     if m <= 1024:
-        return 16, (128, 128, 4, 4), (128, 128, 4, 3)
-    return 64, (128, 64, 4, 3), (128, 64, 4, 3)
+        return (16, (64, 256, 4, 3)), (16, (128, 128, 4, 3))
+    return (64, (256, 64, 8, 3)), (128, (256, 64, 8, 4))
 
 
 def gate_up(x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config) -> torch.Tensor:
@@ -274,9 +277,11 @@ def moe_experts(
 ) -> torch.Tensor:
     """Same contract as `moe_experts_ref`: sum_a weights[t, a] * expert_{ids[t, a]}(x[t]) -> [T, C] fp32."""
     t, a = ids.shape
-    block_m, up_cfg, down_cfg = tiles(t * a)
-    aligned = align(ids, w1.shape[0], block_m)
-    h = gate_up(x.contiguous(), w1, w3, t * a, a, aligned, alpha, limit, block_m, up_cfg)  # [M, I]
+    (up_m, up_cfg), (down_m, down_cfg) = tiles(t * a, x.dtype)
+    aligned = align(ids, w1.shape[0], up_m)
+    h = gate_up(x.contiguous(), w1, w3, t * a, a, aligned, alpha, limit, up_m, up_cfg)  # [M, I]
+    if down_m != up_m:
+        aligned = align(ids, w1.shape[0], down_m)
     scale = weights.flatten().float().contiguous()
     down = grouped_gemm(
         h,
@@ -287,7 +292,7 @@ def moe_experts(
         pair_rows=True,
         scale=scale,
         out_dtype=torch.float32,
-        block_m=block_m,
+        block_m=down_m,
         config=down_cfg,
     )
     return down.view(t, a, -1).sum(1)  # [T, C]

@@ -145,16 +145,19 @@ def msa_prefill_attention(
     block_ids: torch.Tensor | None = None,
     block_size: int = 128,
     first_pos: int | None = None,
+    config: tuple[int, int, int] = (ROWS, 4, 2),
 ) -> torch.Tensor:
     """Same contract as `msa_attention_ref` for consecutive query positions: [T, H, D] -> [T, H, D].
 
     `first_pos` (q_pos[0]) may be passed to spare a device read. `block_size` tiles the keys when
-    there is no selection (it need not match the MSA block then).
+    there is no selection (it need not match the MSA block then). `config` is (query rows per
+    program, warps, pipeline stages); `benchmarks/prefill_configs.py` picks the default.
     """
+    rows, warps, stages = config
     t_len, n_heads, d = q.shape
     tk, n_kv = k.shape[0], k.shape[1]
     g = n_heads // n_kv
-    bq = max(1, ROWS // g)
+    bq = max(1, rows // g)
     nt = triton.cdiv(t_len, bq)
     first = int(q_pos[0]) if first_pos is None else first_pos
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -179,7 +182,7 @@ def msa_prefill_attention(
         S=block_size, SP=max(16, triton.next_power_of_2(block_size)), TOPK=topk,
         KP=max(2, triton.next_power_of_2(topk)), SPARSE=sparse, MAX_ITERS=max_iters,
         DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1",
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

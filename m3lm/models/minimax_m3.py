@@ -29,7 +29,7 @@ from m3lm.layers.norm import RMSNorm
 from m3lm.layers.rotary import apply_rope, rope_cos_sin
 
 
-def _attention(q, k, v, pos, scale, block_ids=None, block_size=0) -> torch.Tensor:
+def _attention(q, k, v, pos, scale, block_ids=None, block_size=0, first: int | None = None) -> torch.Tensor:
     """Attention of one sequence's queries: GPU kernels on the GPU, the plain reference on the CPU.
 
     On the GPU a whole sequence with no selection takes PyTorch's causal flash kernel; anything
@@ -41,16 +41,16 @@ def _attention(q, k, v, pos, scale, block_ids=None, block_size=0) -> torch.Tenso
         return msa_attention_sdpa(q, k, v, pos, scale)
     from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
 
-    return msa_prefill_attention(q, k, v, pos, scale, block_ids, block_size or 128)
+    return msa_prefill_attention(q, k, v, pos, scale, block_ids, block_size or 128, first)
 
 
-def _select(iq, ik, pos, block_size, topk, local, init) -> torch.Tensor | None:
+def _select(iq, ik, pos, block_size, topk, local, init, first: int | None = None) -> torch.Tensor | None:
     """Per-KV-group block selection (`msa_select_ref`), scored by a Triton kernel on the GPU."""
     if not iq.is_cuda:
         return msa_select_ref(iq, ik, pos, block_size, topk, local, init)
     from m3lm.kernels.msa_prefill_triton import msa_select
 
-    return msa_select(iq, ik, pos, block_size, topk, local, init)
+    return msa_select(iq, ik, pos, block_size, topk, local, init, first)
 
 
 class Attention(nn.Module):
@@ -103,33 +103,36 @@ class Attention(nn.Module):
             rows = slice(start, start + n)
             start += n
             pos = batch.positions[rows]
+            first = batch.first_position(seq)  # host copy of pos[0]: no device read
             ks, vs = k[rows], v[rows]
             if batch.kv is not None:
                 ks, vs = batch.kv.update(self.layer_idx, seq, ks, vs)  # [Tk, K, D]
             if not self.sparse:
-                outs.append(_attention(q[rows], ks, vs, pos, self.scale))
+                outs.append(_attention(q[rows], ks, vs, pos, self.scale, first=first))
                 continue
             iks = ik[rows]
             if batch.kv is not None:
                 # Index keys join the cache before scoring, so a query sees its own key.
                 iks = batch.kv.update_index(self.layer_idx, seq, iks)  # [Tk, Di]
-            outs.append(self._sparse(q[rows], ks, vs, pos, iq[rows], iks, batch.msa_dense_window))
+            outs.append(self._sparse(q[rows], ks, vs, pos, first, iq[rows], iks, batch.msa_dense_window))
         return self.o_proj(torch.cat(outs).flatten(1))  # [T, C]
 
-    def _sparse(self, q, k, v, pos, iq, ik, dense_window: float | None) -> torch.Tensor:
-        """MSA for one sequence; with the opt-in `dense_window` F, queries at t < F * topk * S attend densely."""
+    def _sparse(self, q, k, v, pos, first: int, iq, ik, dense_window: float | None) -> torch.Tensor:
+        """MSA for one sequence's queries at consecutive positions from `first`.
+
+        With the opt-in `dense_window` F, queries at t < F * topk * S attend densely.
+        """
         block_size, topk = self.msa[0], self.msa[1]
         limit = int(dense_window * topk * block_size) if dense_window else 0
-        dense = pos < limit  # [n]
-        if bool(dense.all()):
-            return _attention(q, k, v, pos, self.scale)
-        if bool(dense.any()):
-            out = torch.empty_like(q)
-            out[dense] = _attention(q[dense], k, v, pos[dense], self.scale)
-            out[~dense] = self._sparse(q[~dense], k, v, pos[~dense], iq[~dense], ik, None)
-            return out
-        block_ids = _select(iq, ik, pos, *self.msa)  # [K, n, k], or None when exactly dense
-        return _attention(q, k, v, pos, self.scale, block_ids, block_size)
+        n_dense = min(max(limit - first, 0), q.shape[0])  # a prefix of the queries
+        if n_dense == q.shape[0]:
+            return _attention(q, k, v, pos, self.scale, first=first)
+        if n_dense:
+            head = _attention(q[:n_dense], k, v, pos[:n_dense], self.scale, first=first)
+            tail = self._sparse(q[n_dense:], k, v, pos[n_dense:], limit, iq[n_dense:], ik, None)
+            return torch.cat([head, tail])
+        block_ids = _select(iq, ik, pos, *self.msa, first=first)  # [K, n, k], or None when exactly dense
+        return _attention(q, k, v, pos, self.scale, block_ids, block_size, first=first)
 
     def decode(self, x: torch.Tensor, dec: DecodeBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One new token per sequence over the paged caches (GPU kernels; no host sync): [B, C] -> [B, C]."""
