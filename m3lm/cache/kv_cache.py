@@ -13,10 +13,18 @@ from m3lm.config import ModelArgs
 
 
 class KVCache:
-    def __init__(self, args: ModelArgs, num_pages: int, device: torch.device | str, dtype: torch.dtype):
+    def __init__(
+        self,
+        args: ModelArgs,
+        num_pages: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        kv_heads: int | None = None,
+    ):
+        """`kv_heads`: the KV heads this rank holds under tensor parallelism (default: all)."""
         self.page_size = args.index_block_size
         self.num_pages = num_pages
-        shape = (num_pages, self.page_size, args.num_key_value_heads, args.head_dim)
+        shape = (num_pages, self.page_size, kv_heads or args.num_key_value_heads, args.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_hidden_layers)]
         ishape = (num_pages, self.page_size, args.index_head_dim)
@@ -27,9 +35,9 @@ class KVCache:
         }
 
     @staticmethod
-    def bytes_per_page(args: ModelArgs, dtype: torch.dtype) -> int:
+    def bytes_per_page(args: ModelArgs, dtype: torch.dtype, kv_heads: int | None = None) -> int:
         elem = torch.empty(0, dtype=dtype).element_size()
-        kv = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim
+        kv = 2 * args.num_hidden_layers * (kv_heads or args.num_key_value_heads) * args.head_dim
         index = sum(args.sparse_layers) * args.index_head_dim
         return args.index_block_size * (kv + index) * elem
 
