@@ -16,6 +16,11 @@ Run from the repository root:
 
 `--out` appends a dated section (command, device, torch version, figures) to the file.
 `--workdir DIR` keeps the generated checkpoint in DIR instead of a temporary directory.
+
+`--tensor-parallel 1,2,4` (and `--expert-parallel`) measures sharded loading instead: for each
+size N it loads every rank's shard in its own fresh process, one after another (loading needs
+no process group), and reports the largest rank's figures against the full weight bytes; a
+loader that reads only each rank's slices should stay near 1/N.
 """
 
 from __future__ import annotations
@@ -103,15 +108,16 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def child(path: str) -> None:
-    """Runs in the fresh process: load and print the figures as JSON."""
+def child(path: str, world: int = 1, rank: int = 0, ep: bool = False) -> None:
+    """Runs in the fresh process: load (rank `rank` of `world`) and print the figures as JSON."""
     import resource
 
     import m3lm
+    from m3lm.distributed.parallel import ParallelConfig
 
     baseline = rss_bytes()
     t0 = time.perf_counter()
-    loaded = m3lm.load(path, device="cpu", dtype=torch.bfloat16)
+    loaded = m3lm.load(path, device="cpu", dtype=torch.bfloat16, parallel=ParallelConfig(world, rank, ep))
     seconds = time.perf_counter() - t0
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -139,6 +145,40 @@ def report(r: dict, n_shards: int, disk: int) -> str:
     return "\n".join(["| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
 
+def run_child(path: Path, world: int = 1, rank: int = 0, ep: bool = False) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(path), "--world", str(world), "--rank", str(rank)]
+    proc = subprocess.run(
+        cmd + (["--expert-parallel"] if ep else []), stdout=subprocess.PIPE, text=True, check=True
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def sharded_report(path: Path, sizes: list[int], ep: bool, n_shards: int, disk: int) -> str:
+    """One row per tensor-parallel size: the largest rank's weights and peak RSS over the full weights."""
+    gib, full = 2**30, None
+    rows = []
+    for n in sizes:
+        ranks = [run_child(path, n, r, ep) for r in range(n)]
+        full = full or (ranks[0]["weights"] if n == 1 else None)
+        worst = max(ranks, key=lambda r: r["peak"] - r["baseline"])
+        extra = worst["peak"] - worst["baseline"]
+        rows.append((n, max(r["weights"] for r in ranks), extra, max(r["seconds"] for r in ranks)))
+        print(f"N={n}: peak - baseline {extra / gib:.3f} GiB (largest rank)", flush=True)
+    full = full or rows[0][1] * sizes[0]
+    head = [
+        f"Checkpoint: release VL layout, bf16, {n_shards} shards, {disk / gib:.2f} GiB on disk; "
+        f"full weights {full / gib:.3f} GiB; expert parallelism {'on' if ep else 'off'}.",
+        "",
+        "| N | rank weights (largest) | peak RSS - baseline (largest rank) | / full weights | x N | load s |",
+        "|---|---|---|---|---|---|",
+    ]
+    body = [
+        f"| {n} | {w / gib:.3f} GiB | {x / gib:.3f} GiB | {x / full:.3f} | {x / full * n:.2f} | {t:.1f} |"
+        for n, w, x, t in rows
+    ]
+    return "\n".join(head + body)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="append a dated Markdown section to this file")
@@ -146,10 +186,14 @@ def main() -> None:
         "--workdir", type=Path, help="write the checkpoint here and keep it (default: a temp dir)"
     )
     ap.add_argument("--shard-mb", type=int, default=400, help="target shard size in MB (default 400)")
+    ap.add_argument("--tensor-parallel", default=None, help="comma-separated sizes, e.g. 1,2,4")
+    ap.add_argument("--expert-parallel", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        return child(a.child)
+        return child(a.child, a.world, a.rank, a.expert_parallel)
 
     command = shlex.join(["python3", *sys.argv])
     with tempfile.TemporaryDirectory(prefix="m3lm-load-memory-") as tmp:
@@ -161,15 +205,17 @@ def main() -> None:
         shards = sorted(path.glob("model-*.safetensors"))
         disk = sum(f.stat().st_size for f in shards)
         print(f"wrote {len(shards)} shards, {disk / 2**30:.2f} GiB, in {time.perf_counter() - t0:.0f} s")
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", str(path)], stdout=subprocess.PIPE, text=True, check=True
-        )
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-    table = report(result, len(shards), disk)
+        if a.tensor_parallel:
+            sizes = [int(x) for x in a.tensor_parallel.split(",")]
+            table = sharded_report(path, sizes, a.expert_parallel, len(shards), disk)
+            title = "Sharded checkpoint load: peak host memory per rank"
+        else:
+            table = report(run_child(path), len(shards), disk)
+            title = "Checkpoint load: peak host memory"
     print(table)
     if a.out:
         details = [f"Device: {device()}; Python {platform.python_version()}, torch {torch.__version__}"]
-        append_section(a.out, "Checkpoint load: peak host memory", command, details, table)
+        append_section(a.out, title, command, details, table)
 
 
 if __name__ == "__main__":

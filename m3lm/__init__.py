@@ -11,6 +11,7 @@ import torch
 
 from m3lm.config import EngineConfig, ModelArgs
 from m3lm.core import SamplingParams
+from m3lm.distributed.parallel import SINGLE, ParallelConfig
 from m3lm.errors import CheckpointError, ConfigError, M3lmError
 from m3lm.generate import GenerationResult, generate, stream_generate
 from m3lm.loader import check_dir, load_model
@@ -42,19 +43,20 @@ def load(
     dtype: torch.dtype | str | None = None,
     progress: Callable[[int, int], None] | None = None,
     quant: str | None = "auto",
+    parallel: ParallelConfig = SINGLE,
 ) -> tuple[MiniMaxM3, Any]:
     """Load a local checkpoint directory: returns (model, tokenizer or None).
 
     `quant`: "auto" keeps an MXFP8 checkpoint's weights in 8 bits on a GPU, "mxfp8" always
-    (quantising a bf16/fp32 checkpoint at load), "none" dequantises.
-
+    (quantising a bf16/fp32 checkpoint at load), "none" dequantises. With `parallel` (a rank of
+    a tensor-parallel group) the model is that rank's shard.
     The model carries the checkpoint's generation_config.json as `model.generation_config`
     (sampling defaults and EOS ids).
     """
     from m3lm.tokenizer import load_tokenizer
 
     path = check_dir(path)
-    model = load_model(path, device=device, dtype=dtype, progress=progress, quant=quant)
+    model = load_model(path, device=device, dtype=dtype, progress=progress, quant=quant, parallel=parallel)
     model.generation_config = read_generation_config(path)
     return model, load_tokenizer(path)
 

@@ -33,7 +33,10 @@ def cmd_list(_: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace):
+    """(model, tokenizer, group or None); None on a follower rank under torchrun, which has
+    already served rank 0's steps by the time it returns."""
     import m3lm
+    from m3lm.distributed.launch import launch, under_torchrun
 
     bar = None
 
@@ -45,8 +48,12 @@ def _load(args: argparse.Namespace):
             bar = tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr, leave=False)
         bar.update(done - bar.n)
 
+    tp = getattr(args, "tensor_parallel_size", 1)
     try:
-        return m3lm.load(args.model, device=args.device, dtype=args.dtype, progress=progress)
+        if tp > 1 or under_torchrun():
+            ep = args.expert_parallel
+            return launch(args.model, tp, ep, device=args.device, dtype=args.dtype, progress=progress)
+        return (*m3lm.load(args.model, device=args.device, dtype=args.dtype, progress=progress), None)
     finally:
         if bar is not None:
             bar.close()
@@ -94,7 +101,19 @@ def _stream(model, tokenizer, args: argparse.Namespace, **prompt) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    model, tokenizer = _load(args)
+    loaded = _load(args)
+    if loaded is None:
+        return 0
+    model, tokenizer, group = loaded
+    try:
+        _generate(model, tokenizer, args)
+    finally:
+        if group is not None:
+            group.shutdown()
+    return 0
+
+
+def _generate(model, tokenizer, args: argparse.Namespace) -> None:
     if args.chat or args.system:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}
@@ -103,12 +122,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(args.prompt)  # a text completion continues the prompt: print the whole text
         _stream(model, tokenizer, args, prompt=args.prompt)
-    return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """A REPL that keeps the conversation; /reset clears it, /exit or end of input quits."""
-    model, tokenizer = _load(args)
+    model, tokenizer, _ = _load(args)
     if tokenizer is None or not tokenizer.has_chat_template:
         raise M3lmError(f"{args.model} has no tokenizer with a chat template")
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -155,6 +173,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         msa_dense_window=args.msa_dense_window,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
     )
     return 0
 
@@ -248,6 +268,19 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--compare-transformers", action="store_true")
     bn.add_argument("--out", default=None, help="append the Markdown report to this file")
     bn.set_defaults(func=cmd_bench)
+    for p in (gen, srv):
+        p.add_argument(
+            "--tensor-parallel-size",
+            type=int,
+            default=1,
+            metavar="N",
+            help="shard the model over N processes (GPUs) of this node; under torchrun, its ranks",
+        )
+        p.add_argument(
+            "--expert-parallel",
+            action="store_true",
+            help="with tensor parallelism: whole experts per rank instead of every expert's width split",
+        )
     for p in (gen, chat, srv):
         p.add_argument(
             "--verbose", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"

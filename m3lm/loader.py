@@ -4,7 +4,8 @@ Plan first, from the file headers alone: every tensor is remapped (`remap_key`),
 dtype checked, and coverage verified (every parameter, and every expert slot, written exactly
 once; no language-model tensor left unclaimed). Only then are bytes read, one tensor slice at a
 time from memory-mapped files, so the peak host memory is about the size of the weights and a
-bad checkpoint fails before anything is loaded.
+bad checkpoint fails before anything is loaded. Under tensor parallelism the plan is made against
+the full model and each rank reads only its slice of every tensor (`m3lm.distributed.shard`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 from safetensors import safe_open
 
 from m3lm.config import ModelArgs
+from m3lm.distributed.parallel import SINGLE, ParallelConfig
+from m3lm.distributed.shard import localize, param_shard
 from m3lm.errors import CheckpointError
 from m3lm.kernels.fp8 import MX_BLOCK, dequant_mxfp8, mxfp8_invalid, quantize_mxfp8
 from m3lm.layers.linear import weight_bytes
@@ -180,10 +183,34 @@ def _read_scale(st, src: Source):
         return other.get_tensor(src.scale)
 
 
+def _read(sl, scale, index: tuple) -> torch.Tensor:
+    """Source tensor `sl` at `index` (every dim indexed); MXFP8 is dequantised by whole 32-blocks
+    along the input dim and then trimmed, so a slice need not start on a block boundary."""
+    if scale is None:
+        return sl[index]
+    lo, hi = index[-1].start, index[-1].stop
+    first, last = lo // MX_BLOCK, -(-hi // MX_BLOCK)
+    q = sl[(*index[:-1], slice(first * MX_BLOCK, last * MX_BLOCK))]
+    w = dequant_mxfp8(q, scale[(*index[:-1], slice(first, last))])
+    return w[..., lo - first * MX_BLOCK : hi - first * MX_BLOCK]
+
+
+def _local_pieces(src: Source, shape: tuple[int, ...], shards: dict[str, tuple[slice, ...]]):
+    """(read index, parameter, slot) of each piece this rank owns."""
+    for p in src.pieces:
+        where = localize(p.index, p.slot, shape, shards.get(p.param, ()))
+        if where is not None:
+            yield where[0], p.param, where[1]
+
+
 def stream_weights(
-    model: MiniMaxM3, sources: list[Source], progress: Callable[[int, int], None] | None = None
+    model: MiniMaxM3,
+    sources: list[Source],
+    progress: Callable[[int, int], None] | None = None,
+    shards: dict[str, tuple[slice, ...]] | None = None,
 ) -> None:
-    """Copy every planned tensor into the (already allocated) parameters, one shard at a time."""
+    """Copy every planned tensor into the (already allocated) parameters, one shard at a time;
+    with `shards` (parameter -> this rank's slice), only the owned slices are read."""
     params = dict(model.named_parameters())
     by_file: dict[Path, list[Source]] = defaultdict(list)
     for s in sources:
@@ -196,10 +223,16 @@ def stream_weights(
                     for src in items:
                         sl = st.get_slice(src.name)
                         scale = _read_scale(st, src) if src.scale else None
-                        for p in src.pieces:
-                            t = sl[p.index] if p.index else sl[:]
-                            s = (scale[p.index] if p.index else scale[:]) if scale is not None else None
-                            _write(params, p, t, s, src.name)
+                        if shards is None:
+                            for p in src.pieces:
+                                t = sl[p.index] if p.index else sl[:]
+                                s = (scale[p.index] if p.index else scale[:]) if scale is not None else None
+                                _write(params, p, t, s, src.name)
+                        else:  # this rank's slices, dequantised
+                            for index, param, slot in _local_pieces(src, tuple(sl.get_shape()), shards):
+                                t = _read(sl, scale, index)
+                                _check_finite(t, src.name)
+                                (params[param] if slot is None else params[param][slot]).copy_(t)
                         done += 1
                         if progress is not None:
                             progress(done, len(sources))
@@ -240,10 +273,13 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     progress: Callable[[int, int], None] | None = None,
     quant: str | None = "auto",
+    parallel: ParallelConfig = SINGLE,
 ) -> MiniMaxM3:
-    """Read config.json and the weights of a local checkpoint directory into a MiniMaxM3.
+    """Read config.json and the weights of a local checkpoint directory into a MiniMaxM3
+    (this rank's shard of it under tensor parallelism).
 
-    `quant` (see `resolve_quant`): by default an MXFP8 checkpoint stays 8-bit on a GPU."""
+    `quant` (see `resolve_quant`): by default an MXFP8 checkpoint stays 8-bit on a GPU (on one
+    GPU; a tensor-parallel rank dequantises its shard)."""
     path = check_dir(path)
     args = ModelArgs.from_file(path / "config.json")
     files = weight_files(path)
@@ -254,10 +290,16 @@ def load_model(
     )
     dt = resolve_dtype(dtype, dev)
     with torch.device("meta"):
-        model = MiniMaxM3(args, dtype=dt, quant=resolve_quant(quant, args, dev))
+        quant = resolve_quant(quant, args, dev) if parallel.world == 1 else None  # see the docstring
+        model = MiniMaxM3(args, dtype=dt, quant=quant)
     sources = plan(files, args, model)  # a bad checkpoint fails here, before anything is allocated
+    shards = None
+    if parallel.world > 1:
+        shards = {n: param_shard(n, tuple(p.shape), args, parallel) for n, p in model.named_parameters()}
+        with torch.device("meta"):
+            model = MiniMaxM3(args, dtype=dt, parallel=parallel)
     model = model.to_empty(device=dev)
-    stream_weights(model, sources, progress)
+    stream_weights(model, sources, progress, shards)
     sizes = weight_bytes(model)
     log.info(
         "resident weights: %.3f GB (%s)",

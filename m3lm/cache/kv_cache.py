@@ -22,10 +22,12 @@ class KVCache:
         device: torch.device | str,
         dtype: torch.dtype,
         index_fp8: bool = False,
+        kv_heads: int | None = None,
     ):
+        """`kv_heads`: the KV heads this rank holds under tensor parallelism (default: all)."""
         self.page_size = args.index_block_size
         self.num_pages = num_pages
-        shape = (num_pages, self.page_size, args.num_key_value_heads, args.head_dim)
+        shape = (num_pages, self.page_size, kv_heads or args.num_key_value_heads, args.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_hidden_layers)]
         ishape = (num_pages, self.page_size, args.index_head_dim)
@@ -36,9 +38,12 @@ class KVCache:
         self.ik_scale = {i: torch.zeros(ishape[:2], device=device) for i in sparse} if index_fp8 else {}
 
     @staticmethod
-    def bytes_per_page(args: ModelArgs, dtype: torch.dtype, index_fp8: bool = False) -> int:
+    def bytes_per_page(
+        args: ModelArgs, dtype: torch.dtype, index_fp8: bool = False, kv_heads: int | None = None
+    ) -> int:
+        """Bytes of one page over all layers; `kv_heads` as in the constructor."""
         elem = torch.empty(0, dtype=dtype).element_size()
-        kv = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * elem
+        kv = 2 * args.num_hidden_layers * (kv_heads or args.num_key_value_heads) * args.head_dim * elem
         index = sum(args.sparse_layers) * (
             args.index_head_dim + 4 if index_fp8 else args.index_head_dim * elem
         )

@@ -17,6 +17,7 @@ from m3lm.cache.block_manager import BlockManager
 from m3lm.cache.kv_cache import KVCache
 from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams
+from m3lm.distributed import steps
 from m3lm.engine.runner import ModelRunner
 from m3lm.engine.sequence import Sequence, TokenLogprob
 from m3lm.models.minimax_m3 import MiniMaxM3
@@ -58,7 +59,9 @@ class LLMEngine:
         args = model.args
         weight = model.lm_head.weight
         self.device = weight.device
-        per_page = KVCache.bytes_per_page(args, weight.dtype, config.index_cache_fp8)
+        parallel = model.parallel
+        kv_heads = model.model.layers[0].self_attn.n_kv  # this rank's, under tensor parallelism
+        per_page = KVCache.bytes_per_page(args, weight.dtype, config.index_cache_fp8, kv_heads)
         page = args.index_block_size
         max_pos = args.max_position_embeddings
         self.max_model_len = min(config.max_model_len or max_pos, max_pos)
@@ -75,11 +78,16 @@ class LLMEngine:
             )
         num_pages = -(-capacity // page)
         # One spare page beyond the block manager's: padding rows of graph-captured steps write there.
-        self.cache = KVCache(args, num_pages + 1, self.device, weight.dtype, config.index_cache_fp8)
+        self.cache = KVCache(args, num_pages + 1, self.device, weight.dtype, config.index_cache_fp8, kv_heads)
+        steps.send(
+            parallel, steps.Init(num_pages + 1, config.msa_dense_window, config.index_cache_fp8)
+        )  # followers size theirs
         self.blocks = BlockManager(num_pages, page)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs and config.msa_dense_window is None:
+        # Decode graphs are single-process only: collectives are not captured into them.
+        single = parallel.world == 1
+        if single and self.device.type == "cuda" and config.cuda_graphs and config.msa_dense_window is None:
             from m3lm.engine.cuda_graphs import DecodeGraphs
 
             max_pages = -(-self.max_model_len // page)

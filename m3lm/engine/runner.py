@@ -1,4 +1,8 @@
-"""Turns a scheduled step into one packed forward pass over the paged caches."""
+"""Turns a scheduled step into one packed forward pass over the paged caches.
+
+Under tensor parallelism rank 0's runner first sends the step's inputs to the followers
+(`m3lm.distributed.steps`), which run the same `forward_step` on their shards.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import torch
 
 from m3lm.cache.kv_cache import KVCache, PagedKV
 from m3lm.core import ForwardBatch
+from m3lm.distributed import steps
 from m3lm.engine.sequence import Sequence
 from m3lm.models.minimax_m3 import MiniMaxM3
 
@@ -25,27 +30,20 @@ class ModelRunner:
         decode_only = all(n == 1 and s.num_cached == s.num_tokens - 1 for s, n in plan)
         if self.graphs is not None and decode_only and len(plan) <= self.graphs.max_batch:
             return self._decode(plan, tables)
-        tokens, positions, q_lens, starts, rows, ready = [], [], [], [], [], []
+        tokens, q_lens, starts, rows, ready = [], [], [], [], []
         offset = 0
         for seq, n in plan:
             start = seq.num_cached
             tokens.extend(_slice(seq, start, start + n))
-            positions.extend(range(start, start + n))
             q_lens.append(n)
             starts.append(start)
             offset += n
             if start + n == seq.num_tokens:
                 rows.append(offset - 1)
                 ready.append(seq)
-        dev = self.device
-        batch = ForwardBatch(
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            q_lens=q_lens,
-            kv=PagedKV(self.cache, tables, starts, q_lens),
-            msa_dense_window=self.msa_dense_window,
-        )
-        ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        logits = self.model.forward_batch(ids, batch, torch.tensor(rows, dtype=torch.long, device=dev))
+        step = steps.Step(tokens, q_lens, starts, rows, tables)
+        steps.send(self.model.parallel, step)
+        logits = forward_step(self.model, self.cache, step, self.msa_dense_window)
         for seq, n in plan:
             seq.num_cached += n
         return ready, logits
@@ -58,6 +56,24 @@ class ModelRunner:
         for s in ready:
             s.num_cached += 1
         return ready, logits
+
+
+def forward_step(
+    model: MiniMaxM3, cache: KVCache, step: steps.Step, msa_dense_window: float | None
+) -> torch.Tensor:
+    """One packed forward of a step's tokens over the paged caches -> fp32 logits [R, V]."""
+    dev = model.lm_head.weight.device
+    positions = [
+        p for start, n in zip(step.starts, step.q_lens, strict=True) for p in range(start, start + n)
+    ]
+    batch = ForwardBatch(
+        positions=torch.tensor(positions, dtype=torch.long, device=dev),
+        q_lens=step.q_lens,
+        kv=PagedKV(cache, step.tables, step.starts, step.q_lens),
+        msa_dense_window=msa_dense_window,
+    )
+    ids = torch.tensor(step.tokens, dtype=torch.long, device=dev)
+    return model.forward_batch(ids, batch, torch.tensor(step.rows, dtype=torch.long, device=dev))
 
 
 def _slice(seq: Sequence, start: int, end: int) -> list[int]:

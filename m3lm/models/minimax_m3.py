@@ -19,6 +19,8 @@ from torch import nn
 
 from m3lm.config import ModelArgs
 from m3lm.core import DecodeBatch, ForwardBatch
+from m3lm.distributed.parallel import SINGLE, ParallelConfig, all_gather, all_reduce
+from m3lm.distributed.shard import head_ranges, part
 from m3lm.kernels.fp8 import MX_BLOCK, moe_experts_mxfp8, quantize_mxfp8
 from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.msa import msa_attention_ref, msa_attention_sdpa, msa_select_ref
@@ -54,17 +56,20 @@ def _select(iq, ik, pos, block_size, topk, local, init, first: int | None = None
 
 
 class Attention(nn.Module):
-    """GQA with per-head QK norm and partial RoPE; on sparse layers, MSA with a lightning indexer."""
+    """GQA with per-head QK norm and partial RoPE; on sparse layers, MSA with a lightning indexer.
 
-    def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype):
+    Under tensor parallelism it holds only this rank's query heads and KV/index heads, and its
+    o_proj output is a partial sum (the decoder layer all-reduces it).
+    """
+
+    def __init__(
+        self, args: ModelArgs, layer_idx: int, dtype: torch.dtype, parallel: ParallelConfig = SINGLE
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.sparse = args.sparse_layers[layer_idx]
-        self.n_heads, self.n_kv, self.head_dim = (
-            args.num_attention_heads,
-            args.num_key_value_heads,
-            args.head_dim,
-        )
+        q_heads, kv_heads = head_ranges(args, parallel)
+        self.n_heads, self.n_kv, self.head_dim = len(q_heads), len(kv_heads), args.head_dim
         self.scale = args.head_dim**-0.5
         c, h, k, d = args.hidden_size, self.n_heads, self.n_kv, self.head_dim
         self.q_proj = nn.Linear(c, h * d, bias=False, dtype=dtype)
@@ -75,7 +80,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype)
         if self.sparse:
             di = args.index_head_dim
-            self.index_q_proj = nn.Linear(c, args.index_n_heads * di, bias=False, dtype=dtype)
+            self.index_q_proj = nn.Linear(c, k * di, bias=False, dtype=dtype)  # index head h = KV group h
             self.index_k_proj = nn.Linear(c, di, bias=False, dtype=dtype)  # one index-key head
             self.index_q_norm = RMSNorm(di, args.rms_norm_eps, dtype)
             self.index_k_norm = RMSNorm(di, args.rms_norm_eps, dtype)
@@ -164,11 +169,21 @@ class Attention(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked along E: w1 gate, w3 up [E, I, C]; w2 down [E, C, I]."""
+    """Routed experts stacked along E: w1 gate, w3 up [E, I, C]; w2 down [E, C, I].
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+    With expert parallelism a rank holds experts first .. first+E/N-1; without, every expert's I/N.
+    """
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, parallel: ParallelConfig = SINGLE):
         super().__init__()
         e, c, i = args.num_local_experts, args.hidden_size, args.intermediate_size
+        self.first, self.partitioned = 0, parallel.ep and parallel.world > 1
+        if self.partitioned:
+            self.first, last = part(e, parallel, "num_local_experts")
+            e = last - self.first
+        elif parallel.world > 1:
+            lo, hi = part(i, parallel, "intermediate_size")
+            i = hi - lo
         self.w1 = nn.Parameter(torch.empty(e, i, c, dtype=dtype))
         self.w3 = nn.Parameter(torch.empty(e, i, c, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(e, c, i, dtype=dtype))
@@ -192,17 +207,18 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, parallel: ParallelConfig = SINGLE):
         super().__init__()
         self.top_k, self.scaling = args.num_experts_per_tok, args.routed_scaling_factor
         self.alpha, self.limit = args.swiglu_alpha, args.swiglu_limit
         # The router stays fp32 whatever the compute dtype: the release stores and runs it so.
         self.gate = nn.Linear(args.hidden_size, args.num_local_experts, bias=False, dtype=torch.float32)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(args.num_local_experts, dtype=torch.float32))
-        self.experts = Experts(args, dtype)
+        self.experts = Experts(args, dtype, parallel)
         self.shared_experts = MLP(
-            args.hidden_size, args.shared_intermediate_size, args.swiglu_alpha, args.swiglu_limit, dtype
-        )
+            args.hidden_size, _width(args.shared_intermediate_size, parallel), args.swiglu_alpha,
+            args.swiglu_limit, dtype,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = nn.functional.linear(x.float(), self.gate.weight)  # [T, E] fp32
@@ -215,54 +231,103 @@ class MoE(nn.Module):
             experts = moe_experts_ref
             if x.is_cuda:  # the Triton grouped GEMM; imported here so CPU installs need no Triton
                 from m3lm.kernels.moe_triton import moe_experts as experts
-            routed = experts(x, weights, ids, ex.w1, ex.w3, ex.w2, self.alpha, self.limit)  # [T, C] fp32
+            if ex.partitioned:
+                routed = _local_experts(experts, x, weights, ids, ex, self.alpha, self.limit)  # [T, C] fp32
+            else:
+                routed = experts(x, weights, ids, ex.w1, ex.w3, ex.w2, self.alpha, self.limit)  # [T, C] fp32
         # routed_scaling_factor scales the routed sum only; the shared expert enters at 1.0.
         return (routed * self.scaling + self.shared_experts(x).float()).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype):
+    def __init__(
+        self, args: ModelArgs, layer_idx: int, dtype: torch.dtype, parallel: ParallelConfig = SINGLE
+    ):
         super().__init__()
+        self.parallel = parallel
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.self_attn = Attention(args, layer_idx, dtype)
+        self.self_attn = Attention(args, layer_idx, dtype, parallel)
         if args.moe_layers[layer_idx]:
-            self.block_sparse_moe = MoE(args, dtype)
+            self.block_sparse_moe = MoE(args, dtype, parallel)
         else:
             self.mlp = MLP(
-                args.hidden_size, args.dense_intermediate_size, args.swiglu_alpha, args.swiglu_limit, dtype
-            )
+                args.hidden_size, _width(args.dense_intermediate_size, parallel), args.swiglu_alpha,
+                args.swiglu_limit, dtype,
+            )  # fmt: skip
 
     def forward(
         self, h: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch, cos, sin)
+        # Under tensor parallelism both branches return partial sums over this rank's heads/width.
+        h = h + all_reduce(self.self_attn(self.input_layernorm(h), batch, cos, sin), self.parallel)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return h + ffn(self.post_attention_layernorm(h))
+        return h + all_reduce(ffn(self.post_attention_layernorm(h)), self.parallel)
 
     def decode(self, h: torch.Tensor, dec: DecodeBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn.decode(self.input_layernorm(h), dec, cos, sin)
+        h = h + all_reduce(self.self_attn.decode(self.input_layernorm(h), dec, cos, sin), self.parallel)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return h + ffn(self.post_attention_layernorm(h))
+        return h + all_reduce(ffn(self.post_attention_layernorm(h)), self.parallel)
 
 
 class Decoder(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, parallel: ParallelConfig = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, dtype) for i in range(args.num_hidden_layers))
+        self.parallel = parallel
+        self.vocab_first, vocab_last = part(args.vocab_size, parallel, "vocab_size")
+        self.embed_tokens = nn.Embedding(vocab_last - self.vocab_first, args.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, i, dtype, parallel) for i in range(args.num_hidden_layers)
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T] -> [T, C]; vocab-parallel: rows of other ranks are zero, then summed."""
+        if self.parallel.world == 1:
+            return self.embed_tokens(tokens)
+        local = tokens - self.vocab_first
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)  # [T]
+        h = self.embed_tokens(torch.where(mine, local, 0)) * mine[:, None].to(self.embed_tokens.weight.dtype)
+        return all_reduce(h, self.parallel)
+
+
+def _width(n: int, parallel: ParallelConfig) -> int:
+    """This rank's share of a column/row-parallel MLP width."""
+    lo, hi = part(n, parallel, "intermediate width")
+    return hi - lo
+
+
+def _local_experts(experts, x, weights, ids, ex: Experts, alpha: float, limit: float) -> torch.Tensor:
+    """Expert parallelism: only the (token, expert) pairs whose expert lives on this rank -> [T, C] fp32."""
+    local = (ids >= ex.first) & (ids < ex.first + ex.w1.shape[0])  # [T, A]
+    tok, slot = local.nonzero(as_tuple=True)  # [M]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if tok.numel():
+        pair_ids = (ids[tok, slot] - ex.first)[:, None]  # [M, 1]
+        y = experts(x[tok], weights[tok, slot][:, None], pair_ids, ex.w1, ex.w3, ex.w2, alpha, limit)
+        out.index_add_(0, tok, y)
+    return out
 
 
 class MiniMaxM3(nn.Module):
     """The causal LM: `model(input_ids [B, T])` -> logits [B, T, V] (full causal forward, no cache)."""
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32, quant: str | None = None):
+    def __init__(
+        self,
+        args: ModelArgs,
+        dtype: torch.dtype = torch.float32,
+        quant: str | None = None,
+        parallel: ParallelConfig = SINGLE,
+    ):
         super().__init__()
-        self.args = args
-        self.model = Decoder(args, dtype)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+        self.args, self.parallel = args, parallel
+        self.model = Decoder(args, dtype, parallel)
+        self.lm_head = nn.Linear(
+            args.hidden_size, self.model.embed_tokens.num_embeddings, bias=False, dtype=dtype
+        )
         if quant == "mxfp8":
+            if parallel.world > 1:
+                raise ValueError("8-bit weights are kept on one GPU only; a tensor-parallel rank dequantises")
             keep_mxfp8_(self)
         elif quant is not None:
             raise ValueError(f"quant = {quant!r} is not supported (expected None or 'mxfp8')")
@@ -279,13 +344,13 @@ class MiniMaxM3(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens [T] -> fp32 logits [T, V], or only at `logits_rows` [R] -> [R, V]."""
         a = self.args
-        h = self.model.embed_tokens(tokens)  # [T, C], no embedding scaling
+        h = self.model.embed(tokens)  # [T, C], no embedding scaling
         cos, sin = rope_cos_sin(batch.positions, a.rotary_dim, a.rope_theta)  # [T, R/2] fp32
         for layer in self.model.layers:
             h = layer(h, batch, cos, sin)
         if logits_rows is not None:
             h = h[logits_rows]
-        return self.lm_head(self.model.norm(h)).float()
+        return all_gather(self.lm_head(self.model.norm(h)).float(), self.parallel)  # [T, V]
 
     def decode(self, tokens: torch.Tensor, dec: DecodeBatch) -> torch.Tensor:
         """One decode step for B sequences on the GPU: tokens [B] at dec.positions -> fp32 logits [B, V].
@@ -293,11 +358,11 @@ class MiniMaxM3(nn.Module):
         Static shapes and no host synchronisation, so a step can be captured in a CUDA graph.
         """
         a = self.args
-        h = self.model.embed_tokens(tokens)  # [B, C]
+        h = self.model.embed(tokens)  # [B, C]
         cos, sin = rope_cos_sin(dec.positions, a.rotary_dim, a.rope_theta)
         for layer in self.model.layers:
             h = layer.decode(h, dec, cos, sin)
-        return self.lm_head(self.model.norm(h)).float()
+        return all_gather(self.lm_head(self.model.norm(h)).float(), self.parallel)  # [T, V]
 
 
 MXFP8_LINEARS = (

@@ -251,16 +251,53 @@ def serve(
     dtype: str | None = None,
     grace_s: float = 30.0,
     limits: Limits | None = None,
+    tensor_parallel_size: int = 1,
+    expert_parallel: bool = False,
     **engine_kwargs,
 ) -> None:
-    """Load the model, start the engine thread and run uvicorn until SIGINT/SIGTERM."""
+    """Load the model, start the engine thread and run uvicorn until SIGINT/SIGTERM.
+
+    With tensor parallelism (or under torchrun) rank 0 serves HTTP and the other ranks follow.
+    """
+    from m3lm.distributed.launch import launch, under_torchrun
+
+    if tensor_parallel_size > 1 or under_torchrun():
+        loaded = launch(model_dir, tensor_parallel_size, expert_parallel, device, dtype)
+        if loaded is None:  # a follower rank: rank 0 has stopped
+            return
+        model, tokenizer, group = loaded
+        try:
+            _serve(
+                model,
+                tokenizer,
+                model_dir,
+                host,
+                port,
+                api_key,
+                served_model_name,
+                grace_s,
+                limits,
+                engine_kwargs,
+            )
+        finally:
+            group.shutdown()
+        return
+    import m3lm
+
+    model, tokenizer = m3lm.load(model_dir, device=device, dtype=dtype)
+    _serve(
+        model, tokenizer, model_dir, host, port, api_key, served_model_name, grace_s, limits, engine_kwargs
+    )
+
+
+def _serve(
+    model, tokenizer, model_dir, host, port, api_key, served_model_name, grace_s, limits, engine_kwargs
+):
     import uvicorn
 
-    import m3lm
     from m3lm.config import EngineConfig
     from m3lm.engine.engine import LLMEngine
 
-    model, tokenizer = m3lm.load(model_dir, device=device, dtype=dtype)
     engine = AsyncEngine(
         LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs)), (limits or Limits()).max_queue
     ).start()
@@ -275,3 +312,4 @@ def serve(
         log_level="info",
         h11_max_incomplete_event_size=UVICORN_MAX_HEADERS,
     )
+    engine.stop()  # the engine thread must be idle before the followers are told to stop

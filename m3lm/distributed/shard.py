@@ -1,0 +1,115 @@
+"""Which slice of each parameter a rank owns: one pure plan used by the model and the loader.
+
+A shard is a tuple of `slice`s over the full parameter's dims (empty: replicated). Attention
+splits query heads; KV heads are split too, or replicated when there are more ranks than KV
+heads (each rank then keeps the one KV head its query heads read). Index-query heads follow
+their KV group; the single index-key head, norms and the fp32 router are replicated. Dense MLP
+and shared expert: gate/up rows split, down columns split. Routed experts: whole experts per
+rank with expert parallelism, else each expert's width split. Embedding and lm_head: vocab rows.
+"""
+
+from __future__ import annotations
+
+from m3lm.config import ModelArgs
+from m3lm.distributed.parallel import ParallelConfig
+from m3lm.errors import ConfigError
+
+
+def part(n: int, pc: ParallelConfig, what: str) -> tuple[int, int]:
+    """[lo, hi) of rank pc.rank when n is split evenly; ConfigError when it does not divide."""
+    if n % pc.world:
+        raise ConfigError(f"{what} = {n} is not divisible by the tensor-parallel size {pc.world}")
+    size = n // pc.world
+    return pc.rank * size, (pc.rank + 1) * size
+
+
+def head_ranges(args: ModelArgs, pc: ParallelConfig) -> tuple[range, range]:
+    """The query heads and KV heads (= index heads) of this rank."""
+    h, k, w = args.num_attention_heads, args.num_key_value_heads, pc.world
+    q = range(*part(h, pc, "num_attention_heads"))
+    if k >= w:
+        return q, range(*part(k, pc, "num_key_value_heads"))
+    if w % k:
+        raise ConfigError(f"tensor-parallel size {w} must divide or be a multiple of {k} KV heads")
+    first = q.start // args.kv_groups  # ranks > KV heads: each keeps the KV head of its query heads
+    return q, range(first, first + 1)
+
+
+def param_shard(name: str, shape: tuple[int, ...], args: ModelArgs, pc: ParallelConfig) -> tuple[slice, ...]:
+    """This rank's slice of parameter `name` of full shape `shape` (m3lm names); () = replicated."""
+    if pc.world == 1:
+        return ()
+    whole = [slice(0, n) for n in shape]
+
+    def split(dim: int, lo: int, hi: int) -> tuple[slice, ...]:
+        whole[dim] = slice(lo, hi)
+        return tuple(whole)
+
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return split(0, *part(shape[0], pc, "vocab_size"))
+    leaf = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+    if leaf.startswith("self_attn."):
+        q, kv = head_ranges(args, pc)
+        d, di = args.head_dim, args.index_head_dim
+        rows = {
+            "self_attn.q_proj.weight": (q.start * d, q.stop * d),
+            "self_attn.k_proj.weight": (kv.start * d, kv.stop * d),
+            "self_attn.v_proj.weight": (kv.start * d, kv.stop * d),
+            "self_attn.index_q_proj.weight": (kv.start * di, kv.stop * di),
+        }
+        if leaf in rows:
+            return split(0, *rows[leaf])
+        if leaf == "self_attn.o_proj.weight":
+            return split(1, q.start * d, q.stop * d)
+        return ()  # q/k norms, index_k_proj (one shared head), index norms
+    if leaf.endswith(("gate_proj.weight", "up_proj.weight")):
+        return split(0, *part(shape[0], pc, "intermediate width"))
+    if leaf.endswith("down_proj.weight"):
+        return split(1, *part(shape[1], pc, "intermediate width"))
+    if leaf.endswith(("experts.w1", "experts.w3", "experts.w2")):
+        if pc.ep:
+            return split(0, *part(shape[0], pc, "num_local_experts"))
+        dim = 2 if leaf.endswith("w2") else 1
+        return split(dim, *part(shape[dim], pc, "intermediate_size"))
+    return ()
+
+
+def local_shape(shape: tuple[int, ...], shard: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in shard) if shard else tuple(shape)
+
+
+def _bounds(ix: slice, size: int) -> tuple[int, int]:
+    lo, hi, step = ix.indices(size)
+    assert step == 1, "pieces are contiguous"
+    return lo, hi
+
+
+def localize(
+    index: tuple, slot: int | None, src_shape: tuple[int, ...], shard: tuple[slice, ...]
+) -> tuple[tuple, int | None] | None:
+    """Compose a checkpoint piece with a rank's shard: what to read from the source tensor and
+    which local slot it fills, or None when the rank owns none of it.
+
+    `index` selects the piece from the source tensor (ints and slices, as in `Piece`); the piece
+    fills the full parameter, or its entry `slot` along dim 0 (stacked experts). `shard` is the
+    rank's slice of that full parameter. The result indexes every source dim.
+    """
+    if shard and slot is not None:
+        lo, hi = shard[0].start, shard[0].stop
+        if not lo <= slot < hi:
+            return None
+        slot, shard = slot - lo, shard[1:]
+    rest = list(shard)
+    out: list = []
+    for d, size in enumerate(src_shape):
+        ix = index[d] if d < len(index) else slice(None)
+        if isinstance(ix, int):
+            out.append(ix)
+            continue
+        lo, hi = _bounds(ix, size)
+        if rest:
+            a, b = _bounds(rest.pop(0), hi - lo)
+            lo, hi = lo + a, lo + b
+        out.append(slice(lo, hi))
+    assert not rest, "a shard has more dims than its piece"
+    return tuple(out), slot
