@@ -145,7 +145,7 @@ def msa_prefill_attention(
     block_ids: torch.Tensor | None = None,
     block_size: int = 128,
     first_pos: int | None = None,
-    config: tuple[int, int, int] = (ROWS, 4, 2),
+    config: tuple[int, int, int] = (ROWS, 4, 3),
 ) -> torch.Tensor:
     """Same contract as `msa_attention_ref` for consecutive query positions: [T, H, D] -> [T, H, D].
 
