@@ -145,15 +145,16 @@ def msa_prefill_attention(
     block_ids: torch.Tensor | None = None,
     block_size: int = 128,
     first_pos: int | None = None,
-    config: tuple[int, int, int] = (ROWS, 4, 3),
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as `msa_attention_ref` for consecutive query positions: [T, H, D] -> [T, H, D].
 
     `first_pos` (q_pos[0]) may be passed to spare a device read. `block_size` tiles the keys when
     there is no selection (it need not match the MSA block then). `config` is (query rows per
-    program, warps, pipeline stages); `benchmarks/prefill_configs.py` picks the default.
+    program, warps, pipeline stages); `benchmarks/prefill_configs.py` picks the default (fp32
+    tiles take one stage fewer to fit in shared memory).
     """
-    rows, warps, stages = config
+    rows, warps, stages = config or ((ROWS, 4, 2) if q.dtype == torch.float32 else (ROWS, 4, 3))
     t_len, n_heads, d = q.shape
     tk, n_kv = k.shape[0], k.shape[1]
     g = n_heads // n_kv
