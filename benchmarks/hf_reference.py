@@ -197,3 +197,19 @@ def time_hf_decode(
         result["context_ids"], result["step_ids"] = ids.cpu(), step_ids.cpu()
         result["step_logits"] = out["logits"][:, -1].float().cpu()
     return result
+
+
+def slice_config(cfg: dict) -> dict:
+    """transformers' MiniMaxM3 text config for the slice whose release-style text config is `cfg`."""
+    sp = cfg["sparse_attention_config"]
+    return {
+        "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"], "num_hidden_layers": cfg["num_hidden_layers"],
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu", "rotary_dim": 64,
+        "rope_parameters": {"rope_theta": 5000000.0, "partial_rotary_factor": 0.5, "rope_type": "default"},
+        "intermediate_size": 3072, "dense_intermediate_size": 12288, "shared_intermediate_size": 3072,
+        "num_local_experts": 128, "num_experts_per_tok": 4, "routed_scaling_factor": 2.0,
+        "layer_types": ["minimax_m3_sparse" if f else "full_attention" for f in sp["sparse_attention_freq"]],
+        "mlp_layer_types": ["sparse" if f else "dense" for f in cfg["moe_layer_freq"]],
+        "index_n_heads": 4, "index_head_dim": 128, "index_block_size": 128, "index_topk_blocks": 16,
+        "index_local_blocks": 1, "max_position_embeddings": 1048576, "bos_token_id": None, "eos_token_id": None,
+    }  # fmt: skip

@@ -13,7 +13,8 @@ import math
 import torch
 import triton
 
-from m3lm.bench import _selection, build_slice
+from m3lm.bench import build_slice
+from m3lm.bench_attention import selection
 from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
 
 CONFIGS = list(itertools.product((64, 128), (4, 8), (2, 3)))
@@ -29,7 +30,7 @@ def main() -> None:
             torch.randn(length, k, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2)
         )
         pos = torch.arange(length, device="cuda")
-        sel = _selection(kind, k, length, s, a, gen)
+        sel = selection(kind, k, length, s, a, gen)
         results = []
         for cfg in CONFIGS:
             try:

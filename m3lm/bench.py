@@ -261,57 +261,6 @@ def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
     return Row(f"prefill B=1 T={length}", ms, length, _weights_bytes(model, length), flops)
 
 
-def _selection(kind: str, k: int, length: int, s: int, a, gen: torch.Generator) -> torch.Tensor:
-    """Block selection [K, T, k] from index scores of one of two kinds.
-
-    "random": scores drawn independently for every query, so adjacent queries share only their
-    forced blocks (the worst case for a tile of queries). "drift": index queries that drift
-    slowly along the sequence (a random walk), as a trained indexer's inputs do, scored against
-    random index keys with the real max-over-block rule.
-    """
-    from m3lm.kernels.msa import select_blocks_ref
-    from m3lm.kernels.msa_prefill_triton import msa_select
-
-    pos = torch.arange(length, device="cuda")
-    n_blocks = math.ceil(length / s)
-    if kind == "random":
-        scores = torch.randn(k, length, n_blocks, device="cuda", generator=gen)
-        return select_blocks_ref(
-            scores, pos, s, a.index_topk_blocks, a.index_local_blocks, a.index_init_blocks
-        )
-    steps = torch.randn(length, k, a.index_head_dim, device="cuda", generator=gen) * 0.05
-    iq = (torch.randn(1, k, a.index_head_dim, device="cuda", generator=gen) + steps.cumsum(0)).bfloat16()
-    ik = torch.randn(length, a.index_head_dim, device="cuda", generator=gen).bfloat16()
-    return msa_select(iq, ik, pos, s, a.index_topk_blocks, a.index_local_blocks, a.index_init_blocks, 0)
-
-
-def bench_attention(model: MiniMaxM3, length: int, iters: int) -> list[Row]:
-    """One sparse layer's attention at `length` tokens: the block-sparse Triton prefill kernel
-    against dense causal flash attention (SDPA) on the same q, k, v, for two kinds of selection."""
-    from m3lm.kernels.msa_prefill_triton import ROWS, msa_prefill_attention, tile_blocks
-
-    a = model.args
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    h, k, d, s = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.index_block_size
-    q = torch.randn(length, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    kk, vv = (torch.randn(length, k, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    pos = torch.arange(length, device="cuda")
-    qd = q.permute(1, 0, 2)[None]
-    kd, vd = (t.permute(1, 0, 2)[None].repeat_interleave(h // k, dim=1) for t in (kk, vv))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-        dense_ms = _time(lambda: sdpa(qd, kd, vd, is_causal=True), iters)
-    keys = sum(min(t + 1, a.dense_window) for t in range(0, length, 64)) * 64
-    rows = []
-    for kind in ("drift", "random"):
-        sel = _selection(kind, k, length, s, a, gen)
-        union = float(tile_blocks(sel.int(), max(1, ROWS // (h // k)))[1].float().mean())
-        ms = _time(lambda: msa_prefill_attention(q, kk, vv, pos, d**-0.5, sel, s, 0), iters)  # noqa: B023
-        case = f"MSA attention T={length}, {kind} selection ({union:.1f} blocks per tile)"
-        rows.append(Row(case, ms, length, 0.0, 4 * keys * h * d, ref_ms=dense_ms))
-    return rows
-
-
 def _gb(sizes: dict[str, int]) -> str:
     return (
         f"{sum(sizes.values()) / 1e9:.2f} GB ("
@@ -323,6 +272,8 @@ def _gb(sizes: dict[str, int]) -> str:
 def run(args) -> tuple[list[Row], list[str]]:
     """Rows of every variant in `args.quant` (bf16 first: the mxfp8 variant quantises in place)."""
     torch.backends.cuda.matmul.allow_tf32 = True
+    from m3lm.bench_attention import bench_attention  # imports this module
+
     quants = args.quant
     if quants not in (["bf16"], ["mxfp8"], ["bf16", "mxfp8"]):
         raise ValueError(f"--quant {','.join(quants)}: expected bf16, mxfp8 or bf16,mxfp8")
@@ -379,7 +330,7 @@ def _compare(cfg: dict, args, rows: list[Row]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import hf_reference
 
-    hf = hf_reference.build_hf_slice(_hf_config(cfg), "cuda")
+    hf = hf_reference.build_hf_slice(hf_reference.slice_config(cfg), "cuda")
     specs = [("d", b, c) for b, c in args.decode] + [("p", 1, t) for t in args.prefill]
     for row, spec in zip(rows[: len(specs)], specs, strict=True):
         kind, b, n = spec
@@ -390,21 +341,6 @@ def _compare(cfg: dict, args, rows: list[Row]) -> None:
         )
         row.ref_ms = res.get("median_ms", res.get("ms"))
         print(row.case, "transformers:", json.dumps(res), flush=True)
-
-
-def _hf_config(cfg: dict) -> dict:
-    sp = cfg["sparse_attention_config"]
-    return {
-        "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"], "num_hidden_layers": cfg["num_hidden_layers"],
-        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu", "rotary_dim": 64,
-        "rope_parameters": {"rope_theta": 5000000.0, "partial_rotary_factor": 0.5, "rope_type": "default"},
-        "intermediate_size": 3072, "dense_intermediate_size": 12288, "shared_intermediate_size": 3072,
-        "num_local_experts": 128, "num_experts_per_tok": 4, "routed_scaling_factor": 2.0,
-        "layer_types": ["minimax_m3_sparse" if f else "full_attention" for f in sp["sparse_attention_freq"]],
-        "mlp_layer_types": ["sparse" if f else "dense" for f in cfg["moe_layer_freq"]],
-        "index_n_heads": 4, "index_head_dim": 128, "index_block_size": 128, "index_topk_blocks": 16,
-        "index_local_blocks": 1, "max_position_embeddings": 1048576, "bos_token_id": None, "eos_token_id": None,
-    }  # fmt: skip
 
 
 def markdown(rows: list[Row], command: str, notes: list[str] = ()) -> str:
