@@ -107,6 +107,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tokenizer, group = loaded
     try:
         _generate(model, tokenizer, args)
+    except RuntimeError:
+        if group is not None and (why := group.dead_worker()):
+            raise M3lmError(why) from None
+        raise
     finally:
         if group is not None:
             group.shutdown()

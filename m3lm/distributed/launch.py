@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,18 @@ class Group:
                         if q.is_alive():
                             q.terminate()
                     os._exit(1)  # rank 0 may be blocked in a collective: leave without waiting
+
+    def dead_worker(self, wait: float = 5.0) -> str | None:
+        """Why the group broke, if a local worker has exited: a collective on rank 0 can fail
+        (connection closed) just before the watcher sees the exit, so wait for it briefly."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None:
+                    return f"tensor-parallel worker rank {rank} exited with code {p.exitcode}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Send STOP to the followers and wait for the local workers to exit."""
