@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import signal
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -304,12 +306,22 @@ def _serve(
     name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
     app = create_server_app(engine, tokenizer, name, api_key, limits or Limits())
     log.info("serving %s on http://%s:%d", name, host, port)
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        timeout_graceful_shutdown=grace_s,
-        log_level="info",
-        h11_max_incomplete_event_size=UVICORN_MAX_HEADERS,
-    )
-    engine.stop()  # the engine thread must be idle before the followers are told to stop
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn drains on SIGTERM, then re-raises it: exit cleanly so the engine thread stops
+        # and a tensor-parallel group's followers are told to stop too.
+        signal.signal(signal.SIGTERM, _exit_after_drain)
+    try:
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            timeout_graceful_shutdown=grace_s,
+            log_level="info",
+            h11_max_incomplete_event_size=UVICORN_MAX_HEADERS,
+        )
+    finally:
+        engine.stop()  # the engine thread must be idle before the followers are told to stop
+
+
+def _exit_after_drain(signum, frame) -> None:
+    raise SystemExit(0)
