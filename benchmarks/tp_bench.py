@@ -43,7 +43,16 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from report import append_section, device  # noqa: E402
 from tp_check import barrier, check, golden  # noqa: E402
-from tp_slice import Depth, build_shard, parse_decode, parse_ints, per_layer, require_nvls_off, slice_args, table  # noqa: E402
+from tp_slice import (  # noqa: E402
+    Depth,
+    build_shard,
+    parse_decode,
+    parse_ints,
+    per_layer,
+    require_nvls_off,
+    slice_args,
+    table,
+)
 
 from m3lm.cache.kv_cache import KVCache, PagedKV  # noqa: E402
 from m3lm.core import DecodeBatch, ForwardBatch  # noqa: E402
@@ -52,7 +61,9 @@ from m3lm.distributed.parallel import ParallelConfig, init_group  # noqa: E402
 from m3lm.layers.linear import weight_bytes  # noqa: E402
 from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_  # noqa: E402
 
-GRAPHS_NOTE = "CUDA graphs are off under tensor parallelism (collectives are not captured): every step is eager"
+GRAPHS_NOTE = (
+    "CUDA graphs are off under tensor parallelism (collectives are not captured): every step is eager"
+)
 
 
 def time_ms(fn, iters: int, pc: ParallelConfig, dev: torch.device) -> float:
@@ -131,19 +142,19 @@ def bench_case(model, make, iters: int, pc, dev) -> tuple[float, dict]:
     return ms[n], per_layer(ms[0], ms[1], ms[n], n)
 
 
-def run(ns, pc: ParallelConfig, dev: torch.device) -> tuple[list[dict], list[str]]:
+def run(ns, pc: ParallelConfig, dev: torch.device) -> tuple[list[dict], list[str], bool]:
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     notes, rows = [], []
     if ns.check:
         ok, line = check(ns.check_layers, ns.tiny, pc, dev, dtype, ns.seed)
         notes.append(line)
         if not ok:
-            return rows, notes
+            return rows, notes, False
     if ns.golden:
         ok, lines = golden(ns.golden, pc, dev)
         notes += lines
         if not ok:
-            return rows, notes
+            return rows, notes, False
     t0 = time.time()
     model = build_shard(slice_args(ns.layers, ns.tiny), pc, dev, dtype, ns.seed, ns.fill)
     notes.append(f"built rank {pc.rank}'s shard of the {ns.layers}-layer slice in {time.time() - t0:.1f} s")
@@ -154,21 +165,26 @@ def run(ns, pc: ParallelConfig, dev: torch.device) -> tuple[list[dict], list[str
         resident = weight_bytes(model)
         label = quant if dev.type == "cuda" or quant == "mxfp8" else "fp32"
         sizes = ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in resident.items())
-        notes.append(f"rank {pc.rank} resident weights [{label}]: {sum(resident.values()) / 1e6:,.1f} MB ({sizes})")
+        notes.append(
+            f"rank {pc.rank} resident weights [{label}]: {sum(resident.values()) / 1e6:,.1f} MB ({sizes})"
+        )
         for b, ctx in ns.decode:
             cache = _cache(model, b * math.ceil(ctx / model.args.index_block_size))
             for path in paths:
-                ms, parts = bench_case(model, lambda b=b, ctx=ctx, p=path: decode_step(model, cache, b, ctx, p), ns.iters, pc, dev)  # fmt: skip
-                rows.append(dict(case=f"decode B={b} ctx={ctx}", quant=label, path=path, ms=ms, tokens=b, parts=parts, batch=b))  # fmt: skip
+                make = lambda c=cache, b=b, ctx=ctx, p=path: decode_step(model, c, b, ctx, p)  # noqa: E731
+                ms, parts = bench_case(model, make, ns.iters, pc, dev)
+                case = f"decode B={b} ctx={ctx}"
+                rows.append(dict(case=case, quant=label, path=path, ms=ms, tokens=b, parts=parts, batch=b))
             del cache
         for t in ns.prefill:
             cache = _cache(model, math.ceil(t / model.args.index_block_size))
-            ms, parts = bench_case(model, lambda t=t: prefill_step(model, cache, t), max(2, ns.iters // 5), pc, dev)  # fmt: skip
+            make = lambda c=cache, t=t: prefill_step(model, c, t)  # noqa: E731
+            ms, parts = bench_case(model, make, max(2, ns.iters // 5), pc, dev)
             rows.append(dict(case=f"prefill T={t}", quant=label, path="batch", ms=ms, tokens=t, parts=parts))
             del cache
     if dev.type == "cuda":
         notes.append(f"rank 0 peak memory allocated: {torch.cuda.max_memory_allocated(dev) / 1e9:.1f} GB")
-    return rows, notes
+    return rows, notes, True
 
 
 def rank_main(rank: int, world: int, port: int | None, local_rank: int, ns) -> None:
@@ -180,13 +196,12 @@ def rank_main(rank: int, world: int, port: int | None, local_rank: int, ns) -> N
         init = f"tcp://127.0.0.1:{port}" if port else "env://"
         pc = init_group(pc, "nccl" if dev.type == "cuda" else "gloo", init, COLLECTIVE_TIMEOUT_S)
     with torch.inference_mode():
-        rows, notes = run(ns, pc, dev)
+        rows, notes, ok = run(ns, pc, dev)
     if rank == 0:
         report(ns, pc, dev, rows, notes)
-    failed = any("FAILED" in n for n in notes)
     if world > 1:
         dist.destroy_process_group()
-    if failed:
+    if not ok:
         raise SystemExit(1)
 
 
@@ -218,9 +233,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--expert-parallel", action="store_true")
     p.add_argument("--cpu-gloo", type=int, default=0, metavar="N", help="spawn N CPU ranks over gloo")
     p.add_argument("--tiny", action="store_true", help="CPU-sized dimensions with the release's structure")
-    p.add_argument("--decode", type=parse_decode, default=None, help="BxCTX,... (default 1x2048,4x2048,16x2048,64x2048)")
+    p.add_argument(
+        "--decode", type=parse_decode, default=None, help="BxCTX,... (default 1x2048,4x2048,16x2048,64x2048)"
+    )
     p.add_argument("--prefill", type=parse_ints, default=None, help="lengths (default 8192,65536)")
-    p.add_argument("--decode-path", type=lambda s: s.split(","), default=None, help="batch,decode (GPU default both)")
+    p.add_argument(
+        "--decode-path", type=lambda s: s.split(","), default=None, help="batch,decode (GPU default both)"
+    )
     p.add_argument("--quant", type=lambda s: s.split(","), default=["bf16"], help="bf16, mxfp8 or bf16,mxfp8")
     p.add_argument("--fill", choices=["full", "shard"], default="full")
     p.add_argument("--iters", type=int, default=10)
@@ -232,12 +251,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ns = p.parse_args(argv)
     ns.argv = list(sys.argv[1:] if argv is None else argv)
     ns.layers = ns.layers or (3 if ns.tiny else 16)
-    ns.decode = ns.decode if ns.decode is not None else parse_decode("1x32,4x32,16x32,64x32" if ns.tiny else "1x2048,4x2048,16x2048,64x2048")  # fmt: skip
+    if ns.decode is None:
+        ns.decode = parse_decode("1x32,4x32,16x32,64x32" if ns.tiny else "1x2048,4x2048,16x2048,64x2048")
     ns.prefill = ns.prefill if ns.prefill is not None else ([64, 256] if ns.tiny else [8192, 65536])
     if ns.quant not in (["bf16"], ["mxfp8"], ["bf16", "mxfp8"]):
         p.error("--quant: expected bf16, mxfp8 or bf16,mxfp8")
     if "mxfp8" in ns.quant and ns.expert_parallel:
-        p.error("--quant mxfp8 with --expert-parallel: the MXFP8 expert kernels do not take local experts yet")
+        p.error(
+            "--quant mxfp8 with --expert-parallel: the MXFP8 expert kernels do not take local experts yet"
+        )
     if ns.layers < 2:
         p.error("--layers must be at least 2 (the projection needs a MoE + MSA layer)")
     if "decode" in (ns.decode_path or []) and ns.cpu_gloo:
@@ -250,7 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     require_nvls_off()
     if ns.cpu_gloo:
         port, ctx = free_port(), mp.get_context("spawn")
-        procs = [ctx.Process(target=rank_main, args=(r, ns.cpu_gloo, port, r, ns)) for r in range(ns.cpu_gloo)]
+        procs = [
+            ctx.Process(target=rank_main, args=(r, ns.cpu_gloo, port, r, ns)) for r in range(ns.cpu_gloo)
+        ]
         for proc in procs:
             proc.start()
         for proc in procs:

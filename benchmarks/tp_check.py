@@ -36,6 +36,15 @@ def barrier(pc: ParallelConfig, dev: torch.device) -> None:
         dist.barrier(device_ids=[dev.index]) if dev.type == "cuda" else dist.barrier()
 
 
+def from_rank0(ok: bool, pc: ParallelConfig, dev: torch.device) -> bool:
+    """Rank 0's verdict on every rank, so all ranks stop (or go on) together."""
+    if pc.world == 1:
+        return ok
+    flag = torch.tensor([int(ok)], device=dev)
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
 def check_inputs(model: MiniMaxM3) -> torch.Tensor:
     """(top-k + 2) blocks of prompt plus one decode token [T + 1], the same on every rank."""
     a = model.args
@@ -86,7 +95,7 @@ def check(
             f"prefill ({sharded.shape[0] - 1} rows) + 1 decode step: max |sharded - single| / max |single| "
             f"= {err:.2e} (tolerance {tol:g}), greedy argmax agreement {agree:.3f}"
         )
-    barrier(pc, dev)
+    ok = from_rank0(ok, pc, dev)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return ok, line
@@ -99,7 +108,9 @@ def golden(dirs: list[str], pc: ParallelConfig, dev: torch.device) -> tuple[bool
     for d in map(Path, dirs):
         model = load_model(d, dev, torch.float32, parallel=pc)
         expected = load_file(d / "expected.safetensors")
-        cases = sorted(k[: -len(".logits")] for k in expected if k.startswith("prefill_") and k.endswith(".logits"))
+        cases = sorted(
+            k[: -len(".logits")] for k in expected if k.startswith("prefill_") and k.endswith(".logits")
+        )
         errs = []
         for case in cases:
             logits = model(expected[f"{case}.input_ids"].to(dev))[0].float().cpu()
@@ -117,4 +128,4 @@ def golden(dirs: list[str], pc: ParallelConfig, dev: torch.device) -> tuple[bool
             f"(tolerance {tol:g}), greedy tokens {'equal' if same else 'DIFFER'}"
         )
         del model
-    return ok, lines
+    return from_rank0(ok, pc, dev), lines

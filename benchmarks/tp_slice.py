@@ -82,7 +82,9 @@ def fill_(model: MiniMaxM3, shapes: dict, pc: ParallelConfig, seed: int, mode: s
         rank = pc.rank if (shard and mode == "shard") else None
         gen = torch.Generator(device=p.device).manual_seed(param_seed(name, seed, rank))
         if mode == "full" and shard:
-            p.copy_(torch.empty(shapes[name], dtype=p.dtype, device=p.device).normal_(0, _std(p), generator=gen)[shard])
+            whole = torch.empty(shapes[name], dtype=p.dtype, device=p.device)
+            p.copy_(whole.normal_(0.0, _std(p), generator=gen)[shard])
+            del whole
         else:
             p.normal_(0.0, _std(p), generator=gen)
         if name.endswith("e_score_correction_bias"):
@@ -143,20 +145,17 @@ def table(rows: list[dict], layers: int) -> str:
         "MoE+MSA layer ms", "60-layer projection ms", "projected tok/s", "vLLM MXFP8 TP8 (published)",
     ]  # fmt: skip
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        p = r["parts"]
-        out.append(
-            "| "
-            + " | ".join(
-                [
-                    r["case"], r["quant"], r["path"], f"{r['ms']:.3f}", f"{r['tokens'] / r['ms'] * 1e3:,.0f}",
-                    f"{p['head']:.3f}", f"{p['dense']:.3f}", f"{p['sparse']:.3f}", f"{p['release']:.2f}",
-                    f"{r['tokens'] / p['release'] * 1e3:,.0f}", vllm_cell(r.get("batch")),
-                ]
-            )  # fmt: skip
-            + " |"
-        )
-    return "\n".join(out)
+    return "\n".join(out + ["| " + " | ".join(cells(r)) + " |" for r in rows])
+
+
+def cells(r: dict) -> list[str]:
+    """One row: r has case, quant, path, ms, tokens, parts (`per_layer`) and batch (decode)."""
+    p, tps = r["parts"], r["tokens"] * 1e3
+    return [
+        r["case"], r["quant"], r["path"], f"{r['ms']:.3f}", f"{tps / r['ms']:,.0f}", f"{p['head']:.3f}",
+        f"{p['dense']:.3f}", f"{p['sparse']:.3f}", f"{p['release']:.2f}", f"{tps / p['release']:,.0f}",
+        vllm_cell(r.get("batch")),
+    ]  # fmt: skip
 
 
 def parse_decode(spec: str) -> list[tuple[int, int]]:
