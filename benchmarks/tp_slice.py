@@ -43,9 +43,15 @@ def tiny_slice_config(layers: int) -> dict:
     )["text_config"]  # fmt: skip
 
 
-def slice_args(layers: int, tiny: bool = False) -> ModelArgs:
-    """Layer 0 dense MLP + full attention, layers 1.. MoE + MSA (as `m3lm bench` builds them)."""
-    return parse_config(tiny_slice_config(layers) if tiny else release_slice_config(layers))
+def slice_args(layers: int, tiny: bool = False, dense_layers: int = 1) -> ModelArgs:
+    """The first `dense_layers` layers dense MLP + full attention, the rest MoE + MSA: 1 for the
+    slices `m3lm bench` builds, 3 for the release (`slice_args(60, dense_layers=3)`)."""
+    text = tiny_slice_config(layers) if tiny else release_slice_config(layers)
+    kinds = [0] * dense_layers + [1] * (layers - dense_layers)
+    text["moe_layer_freq"] = kinds
+    sparse = text["sparse_attention_config"]
+    sparse["sparse_attention_freq"] = sparse["sparse_disable_index_value"] = kinds
+    return parse_config(text)
 
 
 def require_nvls_off() -> None:
