@@ -155,6 +155,8 @@ def run(ns, pc: ParallelConfig, dev: torch.device) -> tuple[list[dict], list[str
         notes += lines
         if not ok:
             return rows, notes, False
+    if not ns.decode and not ns.prefill:
+        return rows, notes, True
     t0 = time.time()
     model = build_shard(slice_args(ns.layers, ns.tiny), pc, dev, dtype, ns.seed, ns.fill)
     notes.append(f"built rank {pc.rank}'s shard of the {ns.layers}-layer slice in {time.time() - t0:.1f} s")
@@ -221,7 +223,7 @@ def report(ns, pc: ParallelConfig, dev: torch.device, rows: list[dict], notes: l
         f"(layer 0 dense + full attention, the rest MoE + MSA), random weights, fill `{ns.fill}`",
         f"{GRAPHS_NOTE}. Projection: head + 3 x dense + 57 x MoE+MSA layer (per-layer times from depths 0, 1 and {ns.layers}).",
     ]
-    body = table(rows, ns.layers) + "\n\n" + "\n".join(f"- {n}" for n in notes)
+    body = (table(rows, ns.layers) + "\n\n" if rows else "") + "\n".join(f"- {n}" for n in notes)
     print("\n\n".join([f"Command: `{command}`", *details, body]), flush=True)
     if ns.out:
         append_section(Path(ns.out), "Tensor-parallel slice benchmarks", command, details, body)
