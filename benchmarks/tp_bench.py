@@ -145,8 +145,8 @@ def bench_case(model, make, iters: int, pc, dev) -> tuple[float, dict]:
 def run(ns, pc: ParallelConfig, dev: torch.device) -> tuple[list[dict], list[str], bool]:
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     notes, rows = [], []
-    if ns.check:
-        ok, line = check(ns.check_layers, ns.tiny, pc, dev, dtype, ns.seed)
+    for quant in ns.quant if ns.check else []:
+        ok, line = check(ns.check_layers, ns.tiny, pc, dev, dtype, ns.seed, quant)
         notes.append(line)
         if not ok:
             return rows, notes, False

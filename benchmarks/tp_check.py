@@ -24,7 +24,7 @@ from m3lm.cache.kv_cache import KVCache, PagedKV
 from m3lm.core import ForwardBatch
 from m3lm.distributed.parallel import SINGLE, ParallelConfig
 from m3lm.loader import load_model
-from m3lm.models.minimax_m3 import MiniMaxM3
+from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -68,12 +68,20 @@ def prefill_then_decode(model: MiniMaxM3, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([prefill, step]).float().cpu()
 
 
-def check(
-    layers: int, tiny: bool, pc: ParallelConfig, dev: torch.device, dtype: torch.dtype, seed: int
-) -> tuple[bool, str]:
-    """Sharded logits against rank 0's single-device run of the same weights -> (passed, line)."""
-    args = slice_args(layers, tiny)
+def _built(args, pc: ParallelConfig, dev, dtype, seed: int, quant: str) -> MiniMaxM3:
     model = build_shard(args, pc, dev, dtype, seed, "full")
+    return keep_mxfp8_(model, quantize=True) if quant == "mxfp8" else model
+
+
+def check(
+    layers: int, tiny: bool, pc: ParallelConfig, dev: torch.device, dtype: torch.dtype, seed: int, quant: str
+) -> tuple[bool, str]:
+    """Sharded logits against rank 0's single-device run of the same weights -> (passed, line).
+
+    With `quant` mxfp8 both sides quantise their weights; they agree where every shard holds whole
+    32-blocks (release dimensions at TP 4 and 8; the tiny slice at TP 2)."""
+    args = slice_args(layers, tiny)
+    model = _built(args, pc, dev, dtype, seed, quant)
     ids = check_inputs(model)
     sharded = prefill_then_decode(model, ids)
     del model
@@ -82,7 +90,7 @@ def check(
     barrier(pc, dev)  # every shard is freed before rank 0 builds the whole slice
     ok, line = True, ""
     if pc.rank == 0:
-        full = build_shard(args, SINGLE, dev, dtype, seed, "full")
+        full = _built(args, SINGLE, dev, dtype, seed, quant)
         ref = prefill_then_decode(full, ids)
         del full
         err = rel_err(sharded, ref)
@@ -91,7 +99,8 @@ def check(
         ok = err < tol and math.isfinite(err)
         line = (
             f"check {'passed' if ok else 'FAILED'}: {layers}-layer slice, TP {pc.world}"
-            f"{' + EP' if pc.ep else ''}, {str(dtype).removeprefix('torch.')}, {ids.numel() - 1}-token "
+            f"{' + EP' if pc.ep else ''}, {str(dtype).removeprefix('torch.')}"
+            f"{' with MXFP8 weights' if quant == 'mxfp8' else ''}, {ids.numel() - 1}-token "
             f"prefill ({sharded.shape[0] - 1} rows) + 1 decode step: max |sharded - single| / max |single| "
             f"= {err:.2e} (tolerance {tol:g}), greedy argmax agreement {agree:.3f}"
         )

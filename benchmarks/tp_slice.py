@@ -33,12 +33,13 @@ VLLM_TPOT_MS = {4: 8.4, 64: 27.0}
 
 def tiny_slice_config(layers: int) -> dict:
     """A CPU-sized slice with the release's structure: 8 query heads over 2 KV heads, 8 experts,
-    MSA blocks of 4 with top-2 (sizes divide by 8 ranks; input widths are multiples of 32)."""
+    MSA blocks of 4 with top-2 (sizes divide by 8 ranks; an expert's width stays a multiple of 32
+    on 8 ranks, so its MXFP8 shards hold whole 32-blocks as the release's do)."""
     return release_config(
         vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=8,
         num_key_value_heads=2, head_dim=16, rotary_dim=8, rope_theta=10000.0,
         max_position_embeddings=4096, dense_layers=1, dense_intermediate_size=128,
-        intermediate_size=64, shared_intermediate_size=64, num_local_experts=8,
+        intermediate_size=256, shared_intermediate_size=64, num_local_experts=8,
         num_experts_per_tok=2, index_head_dim=16, block_size=4, topk_blocks=2, local_blocks=1,
     )["text_config"]  # fmt: skip
 
