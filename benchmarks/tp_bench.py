@@ -211,11 +211,12 @@ def report(ns, pc: ParallelConfig, dev: torch.device, rows: list[dict], notes: l
     command = "python benchmarks/tp_bench.py " + shlex.join(ns.argv)
     if not ns.cpu_gloo:
         command = f"torchrun --nproc-per-node {pc.world} benchmarks/tp_bench.py " + shlex.join(ns.argv)
-    where = (
-        f"{pc.world} x {torch.cuda.get_device_name(dev)}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
-        if dev.type == "cuda"
-        else f"{pc.world} gloo processes on {device()}"
-    )
+    if dev.type == "cuda":
+        nccl = torch.cuda.nccl.version()  # a tuple (major, minor, patch) in recent torch
+        nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        where = f"{pc.world} x {torch.cuda.get_device_name(dev)}, NCCL {nccl}"
+    else:
+        where = f"{pc.world} gloo processes on {device()}"
     details = [
         f"Machine: {where}; torch {torch.__version__}; NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}",
         f"Group: TP {pc.world}{' with expert parallelism' if pc.ep else ''}; "
