@@ -102,10 +102,16 @@ class Group:
                 steps.send(self.pc, None)
             except RuntimeError as e:  # a follower already gone: nothing left to stop
                 log.warning("could not send STOP to the followers: %s", e)
-        for p in self.procs:
+        for rank, p in enumerate(self.procs, start=1):
             p.join(timeout)
             if p.is_alive():
                 p.terminate()
+            elif p.exitcode:  # failed before the watcher saw it (rank 0 hit the closed link first)
+                print(
+                    f"m3lm: error: tensor-parallel worker rank {rank} exited with code {p.exitcode}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if dist.is_initialized():
             dist.destroy_process_group()
 
