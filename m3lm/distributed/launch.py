@@ -65,6 +65,7 @@ class Group:
     def __init__(self, pc: ParallelConfig, procs: list):
         self.pc, self.procs = pc, procs
         self._stopping = threading.Event()
+        self._reported = False
         self._watcher = threading.Thread(target=self._watch, name="m3lm-tp-watch", daemon=True)
         if procs:
             self._watcher.start()
@@ -87,6 +88,7 @@ class Group:
         while True:
             for rank, p in enumerate(self.procs, start=1):
                 if p.exitcode is not None:
+                    self._reported = True  # the caller reports it; shutdown need not
                     return f"tensor-parallel worker rank {rank} exited with code {p.exitcode}"
             if time.monotonic() >= deadline:
                 return None
@@ -106,7 +108,7 @@ class Group:
             p.join(timeout)
             if p.is_alive():
                 p.terminate()
-            elif p.exitcode:  # failed before the watcher saw it (rank 0 hit the closed link first)
+            elif p.exitcode and not self._reported:  # failed before the watcher saw it
                 print(
                     f"m3lm: error: tensor-parallel worker rank {rank} exited with code {p.exitcode}",
                     file=sys.stderr,
