@@ -32,6 +32,7 @@ from m3lm.distributed.shard import head_ranges, local_shape, localize, param_sha
 from m3lm.engine.engine import LLMEngine
 from m3lm.engine.follower import follow
 from m3lm.errors import ConfigError
+from m3lm.layers.linear import weight_bytes
 from m3lm.loader import load_model
 from m3lm.models.minimax_m3 import MiniMaxM3
 
@@ -177,25 +178,25 @@ def _rank_main(rank: int, world: int, port: int, cases: list, out: str) -> None:
     torch.set_num_threads(1)
     pc = init_group(ParallelConfig(world, rank), "gloo", f"tcp://127.0.0.1:{port}", 60.0)
     results = {}
-    for name, path, ep in cases:
-        model = load_model(path, "cpu", torch.float32, parallel=replace(pc, ep=ep))
+    for name, path, ep, quant in cases:
+        model = load_model(path, "cpu", torch.float32, quant=quant, parallel=replace(pc, ep=ep))
         with torch.inference_mode():
             logits = model(IDS)  # every rank runs the same full forward
+        dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        results[f"{name}-ep{int(ep)}"] = {"bytes": weight_bytes(model), "dtypes": dtypes}
         if rank == 0:
-            results[f"{name}-ep{int(ep)}"] = (logits, _engine_greedy(model))
+            results[f"{name}-ep{int(ep)}"].update(logits=logits, greedy=_engine_greedy(model))
             steps.send(model.parallel, None)
         else:
             assert follow(model) > 0
-    if rank == 0:
-        torch.save(results, out)
+    torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_sharded_logits_and_greedy_equal_single_process(world, random_dir, tmp_path):
-    dirs = [("random", random_dir)] + [(d.name, d) for d in fixture_dirs() if d.name == "minimax-m3-tiny"]
-    cases = [(name, str(path), ep) for name, path in dirs for ep in (False, True)]
-    out = tmp_path / "results.pt"
+def run_group(world: int, cases: list, tmp_path) -> list[dict]:
+    """Load and run each case (name, path, ep, quant) on a gloo group of `world` processes: per rank,
+    "{name}-ep{0|1}" -> resident bytes and parameter dtypes (rank 0: also logits and greedy ids)."""
+    out = tmp_path / "results"
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, cases, str(out))) for r in range(world)]
@@ -204,18 +205,28 @@ def test_sharded_logits_and_greedy_equal_single_process(world, random_dir, tmp_p
     for p in procs:
         p.join(120)
     assert [p.exitcode for p in procs] == [0] * world
-    results = torch.load(out)
+    return [torch.load(f"{out}.{r}") for r in range(world)]
+
+
+def assert_equal_to_single_process(result: dict, ref_model, what) -> None:
+    """Sharded logits within 1e-5 (relative to the largest) of the single process's; same greedy ids."""
+    with torch.inference_mode():
+        ref = ref_model(IDS)
+    err = float((result["logits"] - ref).abs().max() / ref.abs().max())
+    assert err < 1e-5, (what, err)
+    assert result["greedy"] == _engine_greedy(ref_model), what
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_logits_and_greedy_equal_single_process(world, random_dir, tmp_path):
+    dirs = [("random", random_dir)] + [(d.name, d) for d in fixture_dirs() if d.name == "minimax-m3-tiny"]
+    cases = [(name, str(path), ep, "auto") for name, path in dirs for ep in (False, True)]
+    results = run_group(world, cases, tmp_path)[0]
     assert len(results) == len(cases)
     for name, path in dirs:
         model = load_model(path, "cpu", torch.float32)
-        with torch.inference_mode():
-            ref = model(IDS)
-        greedy = _engine_greedy(model)
         for ep in (False, True):
-            logits, ids = results[f"{name}-ep{int(ep)}"]
-            err = float((logits - ref).abs().max() / ref.abs().max())
-            assert err < 1e-5, (name, ep, err)
-            assert ids == greedy, (name, ep)
+            assert_equal_to_single_process(results[f"{name}-ep{int(ep)}"], model, (name, ep))
 
 
 def test_a_failed_worker_stops_generate_with_a_clear_error(tmp_path):
