@@ -40,6 +40,9 @@ from m3lm.models.minimax_m3 import MiniMaxM3
 SPEC = Spec(vocab=96, heads=8, kv_heads=2, experts=8, block=4, topk_blocks=2)
 PROMPTS = [[(7 * i + 3) % 90 + 1 for i in range(19)], [(5 * i + 1) % 90 + 1 for i in range(11)]]
 IDS = torch.tensor([PROMPTS[0] + PROMPTS[0][:5]])  # 24 tokens: past top-k x block, so MSA selects
+# The same with row-parallel inputs (heads x head_dim, MLP and expert widths 128) that split into
+# whole 32-element MXFP8 blocks up to TP 4, so ranks can keep 8-bit shards.
+MX_SPEC = replace(SPEC, inter=128, shared_inter=128, dense_inter=128)
 
 
 def _args() -> ModelArgs:
@@ -53,6 +56,20 @@ def random_dir(tmp_path_factory):
     return write_checkpoint(
         path, to_release(hf_model(SPEC, seed=3).state_dict(), SPEC), release_config(SPEC), 2
     )
+
+
+def write_mxfp8_release(path, s: Spec, seed: int, shards: int = 1):
+    """A random MXFP8 release export of spec `s` (the release's quantisation scheme)."""
+    values, scales, _ = quantize_hf(hf_model(s, seed=seed).state_dict())
+    config = release_config(s)
+    config["text_config"]["quantization_config"] = {"quant_method": "mxfp8", "weight_block_size": [1, 32]}
+    return write_checkpoint(path, mxfp8_release(values, scales, s), config, shards)
+
+
+@pytest.fixture(scope="module")
+def mxfp8_dir(tmp_path_factory):
+    """A random MXFP8 release export of MX_SPEC in 3 shards."""
+    return write_mxfp8_release(tmp_path_factory.mktemp("mxfp8"), MX_SPEC, seed=5, shards=3)
 
 
 # --- the shard plan (pure) ----------------------------------------------------------------------
@@ -218,15 +235,33 @@ def assert_equal_to_single_process(result: dict, ref_model, what) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_logits_and_greedy_equal_single_process(world, random_dir, tmp_path):
-    dirs = [("random", random_dir)] + [(d.name, d) for d in fixture_dirs() if d.name == "minimax-m3-tiny"]
-    cases = [(name, str(path), ep, "auto") for name, path in dirs for ep in (False, True)]
-    results = run_group(world, cases, tmp_path)[0]
-    assert len(results) == len(cases)
-    for name, path in dirs:
-        model = load_model(path, "cpu", torch.float32)
+def test_sharded_logits_and_greedy_equal_single_process(world, random_dir, mxfp8_dir, tmp_path):
+    """Float shards (random and fixture checkpoints) and 8-bit shards of an MXFP8 export (quant="mxfp8":
+    e4m3 weights dequantised on the fly on the CPU), each with and without expert parallelism."""
+    dirs = [("random", random_dir, "auto")]
+    dirs += [(d.name, d, "auto") for d in fixture_dirs() if d.name == "minimax-m3-tiny"]
+    dirs.append(("mxfp8", mxfp8_dir, "mxfp8"))
+    cases = [(name, str(path), ep, quant) for name, path, quant in dirs for ep in (False, True)]
+    ranks = run_group(world, cases, tmp_path)
+    assert len(ranks[0]) == len(cases)
+    for name, path, quant in dirs:
+        model = load_model(path, "cpu", torch.float32, quant=quant)
         for ep in (False, True):
-            assert_equal_to_single_process(results[f"{name}-ep{int(ep)}"], model, (name, ep))
+            assert_equal_to_single_process(ranks[0][f"{name}-ep{int(ep)}"], model, (name, ep))
+            if quant == "mxfp8":
+                _check_8_bit_ranks([r[f"{name}-ep{int(ep)}"] for r in ranks], model)
+
+
+def _check_8_bit_ranks(ranks: list[dict], single) -> None:
+    """float8 exactly where the single process has it; about 1/N of its 8-bit bytes per rank."""
+    world, full = len(ranks), weight_bytes(single)
+    for r in ranks:
+        assert r["dtypes"] == {n: p.dtype for n, p in single.named_parameters()}
+        size = r["bytes"]
+        assert size["uint8"] * 32 == size["float8_e4m3fn"]
+        # 1/N, plus the replicated index-key head (and the KV heads two ranks share at N = 4)
+        assert full["float8_e4m3fn"] / world <= size["float8_e4m3fn"] < 1.05 * full["float8_e4m3fn"] / world
+        assert size["float32"] < 0.7 * full["float32"]  # vocab rows split; norms and router replicated
 
 
 def test_a_failed_worker_stops_generate_with_a_clear_error(tmp_path):
