@@ -15,12 +15,14 @@ from checkpoints import (
     write_checkpoint,
 )
 from conftest import FIXTURES
+from safetensors import safe_open
+from safetensors.torch import save_file
 from test_distributed import MX_SPEC, write_mxfp8_release
 
 from m3lm.config import ModelArgs
 from m3lm.distributed.parallel import ParallelConfig
 from m3lm.distributed.shard import local_shape, param_shard, scale_shard
-from m3lm.errors import ConfigError
+from m3lm.errors import CheckpointError, ConfigError
 from m3lm.loader import load_model
 from m3lm.models.minimax_m3 import MiniMaxM3
 
@@ -105,3 +107,24 @@ def test_each_rank_holds_exactly_its_8_bit_slice(checkpoints):
                         world,
                         name,
                     )
+
+
+@pytest.mark.parametrize("bad", ["value", "scale"])
+def test_8_bit_shards_refuse_nan_encodings(tmp_path, bad):
+    """A rank copying e4m3 and E8M0 as stored still refuses their NaN encodings (in its slice)."""
+    path = write_mxfp8_release(tmp_path, SPEC, seed=6)
+    name = "language_model.model.layers.1.block_sparse_moe.experts.2.w3.weight"  # rows I = 128
+    with safe_open(path / "model.safetensors", framework="pt") as st:
+        tensors = {k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118
+    if bad == "value":
+        q = tensors[name].view(torch.uint8).clone()
+        q[70, 5] = 0x7F  # e4m3fn NaN, in rank 1's rows at TP 2
+        tensors[name] = q.view(torch.float8_e4m3fn)
+    else:
+        tensors[name + "_scale_inv"][70, 1] = 255  # E8M0 NaN
+    save_file(tensors, path / "model.safetensors")
+    for pc in (ParallelConfig(2, 0), ParallelConfig(2, 1, ep=True)):  # rows 0-63; experts 4-7
+        load_model(path, "cpu", torch.float32, quant="mxfp8", parallel=pc)
+    for pc in (ParallelConfig(2, 1), ParallelConfig(2, 0, ep=True)):  # rows 64-127; experts 0-3
+        with pytest.raises(CheckpointError, match="NaN"):
+            load_model(path, "cpu", torch.float32, quant="mxfp8", parallel=pc)
