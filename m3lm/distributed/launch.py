@@ -89,13 +89,10 @@ class Group:
                 steps.send(self.pc, None)
             except RuntimeError as e:  # a follower already gone: nothing left to stop
                 log.warning("could not send STOP to the followers: %s", e)
-        for rank, p in enumerate(self.procs, start=1):
+        for p in self.procs:
             p.join(timeout)
             if p.is_alive():
                 p.terminate()
-            elif p.exitcode:  # it died first: its socket can close before the watcher sees the exit
-                print(f"m3lm: error: tensor-parallel worker rank {rank} exited with code {p.exitcode}",
-                      file=sys.stderr, flush=True)  # fmt: skip
         if dist.is_initialized():
             dist.destroy_process_group()
 
