@@ -49,7 +49,7 @@ def load(
 
     `quant`: "auto" keeps an MXFP8 checkpoint's weights in 8 bits on a GPU, "mxfp8" always
     (quantising a bf16/fp32 checkpoint at load), "none" dequantises. With `parallel` (a rank of
-    a tensor-parallel group) the model is that rank's shard.
+    a tensor-parallel group) the model is that rank's shard, 8-bit where the weights are.
     The model carries the checkpoint's generation_config.json as `model.generation_config`
     (sampling defaults and EOS ids).
     """

@@ -14,7 +14,7 @@ FAMILIES = [
         "architecture": "MiniMaxM3SparseForConditionalGeneration (text decoder)",
         "msa": "yes (lightning indexer, per-KV-group top-k blocks)",
         "moe": "yes (sigmoid router + bias, shared expert)",
-        "quantized": "mxfp8 (dequantised at load)",
+        "quantized": "mxfp8 (kept 8-bit on GPUs, also as tensor-parallel shards)",
     },
 ]
 

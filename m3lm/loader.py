@@ -5,7 +5,8 @@ dtype checked, and coverage verified (every parameter, and every expert slot, wr
 once; no language-model tensor left unclaimed). Only then are bytes read, one tensor slice at a
 time from memory-mapped files, so the peak host memory is about the size of the weights and a
 bad checkpoint fails before anything is loaded. Under tensor parallelism the plan is made against
-the full model and each rank reads only its slice of every tensor (`m3lm.distributed.shard`).
+the full model and each rank reads only its slice of every tensor (`m3lm.distributed.shard`); an
+8-bit shard takes its e4m3 slice and the matching E8M0 scale slice as stored.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from safetensors import safe_open
 
 from m3lm.config import ModelArgs
 from m3lm.distributed.parallel import SINGLE, ParallelConfig
-from m3lm.distributed.shard import localize, param_shard
+from m3lm.distributed.shard import localize, mxfp8_split_errors, param_shard
 from m3lm.errors import CheckpointError
-from m3lm.kernels.fp8 import MX_BLOCK, dequant_mxfp8, mxfp8_invalid, quantize_mxfp8
+from m3lm.kernels.fp8 import MX_BLOCK
 from m3lm.layers.linear import weight_bytes
 from m3lm.models.minimax_m3 import MiniMaxM3, Piece, release_name, remap_key
+from m3lm.weight_copy import write_piece, write_slice
 
 log = logging.getLogger("m3lm")
 
@@ -183,18 +185,6 @@ def _read_scale(st, src: Source):
         return other.get_tensor(src.scale)
 
 
-def _read(sl, scale, index: tuple) -> torch.Tensor:
-    """Source tensor `sl` at `index` (every dim indexed); MXFP8 is dequantised by whole 32-blocks
-    along the input dim and then trimmed, so a slice need not start on a block boundary."""
-    if scale is None:
-        return sl[index]
-    lo, hi = index[-1].start, index[-1].stop
-    first, last = lo // MX_BLOCK, -(-hi // MX_BLOCK)
-    q = sl[(*index[:-1], slice(first * MX_BLOCK, last * MX_BLOCK))]
-    w = dequant_mxfp8(q, scale[(*index[:-1], slice(first, last))])
-    return w[..., lo - first * MX_BLOCK : hi - first * MX_BLOCK]
-
-
 def _local_pieces(src: Source, shape: tuple[int, ...], shards: dict[str, tuple[slice, ...]]):
     """(read index, parameter, slot) of each piece this rank owns."""
     for p in src.pieces:
@@ -227,12 +217,10 @@ def stream_weights(
                             for p in src.pieces:
                                 t = sl[p.index] if p.index else sl[:]
                                 s = (scale[p.index] if p.index else scale[:]) if scale is not None else None
-                                _write(params, p, t, s, src.name)
-                        else:  # this rank's slices, dequantised
+                                write_piece(params, p, t, s, src.name)
+                        else:  # this rank's slices
                             for index, param, slot in _local_pieces(src, tuple(sl.get_shape()), shards):
-                                t = _read(sl, scale, index)
-                                _check_finite(t, src.name)
-                                (params[param] if slot is None else params[param][slot]).copy_(t)
+                                write_slice(params, Piece(param, slot), sl, scale, index, src.name)
                         done += 1
                         if progress is not None:
                             progress(done, len(sources))
@@ -240,31 +228,6 @@ def stream_weights(
                 raise
             except Exception as e:  # truncated or corrupt data surfaces only when it is read
                 raise CheckpointError(f"{file}: cannot read tensor data ({e})") from None
-
-
-def _write(params: dict, p: Piece, t: torch.Tensor, scale: torch.Tensor | None, name: str) -> None:
-    """Copy one piece into its parameter: kept in 8 bits when the parameter is (quantised at load if
-    the checkpoint is not), otherwise dequantised; NaN/Inf in any encoding is refused."""
-    target = params[p.param] if p.slot is None else params[p.param][p.slot]
-    if target.dtype == torch.float8_e4m3fn:
-        if scale is None:
-            _check_finite(t, name)
-            t, scale = quantize_mxfp8(t)
-        elif mxfp8_invalid(t, scale):
-            raise CheckpointError(f"{name} holds NaN values (e4m3 or E8M0 NaN encodings)")
-        sc = params[p.param + "_scale"]
-        target.copy_(t)
-        (sc if p.slot is None else sc[p.slot]).copy_(scale)
-        return
-    if scale is not None:
-        t = dequant_mxfp8(t, scale)
-    _check_finite(t, name)
-    target.copy_(t)
-
-
-def _check_finite(t: torch.Tensor, name: str) -> None:
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        raise CheckpointError(f"{name} holds NaN or Inf values")
 
 
 def load_model(
@@ -278,8 +241,9 @@ def load_model(
     """Read config.json and the weights of a local checkpoint directory into a MiniMaxM3
     (this rank's shard of it under tensor parallelism).
 
-    `quant` (see `resolve_quant`): by default an MXFP8 checkpoint stays 8-bit on a GPU (on one
-    GPU; a tensor-parallel rank dequantises its shard)."""
+    `quant` (see `resolve_quant`): by default an MXFP8 checkpoint stays 8-bit on a GPU, on one GPU
+    or as each tensor-parallel rank's 8-bit shard (dequantised instead, with a warning, when the
+    split would cut a 32-block of inputs; quant="mxfp8" refuses such a split)."""
     path = check_dir(path)
     args = ModelArgs.from_file(path / "config.json")
     files = weight_files(path)
@@ -289,16 +253,21 @@ def load_model(
         else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     )
     dt = resolve_dtype(dtype, dev)
+    auto = (quant or "auto") == "auto"
+    quant = resolve_quant(quant, args, dev)
+    if quant == "mxfp8" and auto and (misaligned := mxfp8_split_errors(args, parallel)):
+        log.warning(
+            "dequantising the 8-bit shards (rank slices not multiples of 32: %s)", "; ".join(misaligned)
+        )
+        quant = None
     with torch.device("meta"):
-        quant = resolve_quant(quant, args, dev) if parallel.world == 1 else None  # see the docstring
         model = MiniMaxM3(args, dtype=dt, quant=quant)
+        local = MiniMaxM3(args, dtype=dt, quant=quant, parallel=parallel) if parallel.world > 1 else model
     sources = plan(files, args, model)  # a bad checkpoint fails here, before anything is allocated
     shards = None
-    if parallel.world > 1:
+    if parallel.world > 1:  # the full model's parameters (8-bit scales included) -> this rank's slice
         shards = {n: param_shard(n, tuple(p.shape), args, parallel) for n, p in model.named_parameters()}
-        with torch.device("meta"):
-            model = MiniMaxM3(args, dtype=dt, parallel=parallel)
-    model = model.to_empty(device=dev)
+    model = local.to_empty(device=dev)
     stream_weights(model, sources, progress, shards)
     sizes = weight_bytes(model)
     log.info(

@@ -32,6 +32,7 @@ from m3lm.distributed.shard import head_ranges, local_shape, localize, param_sha
 from m3lm.engine.engine import LLMEngine
 from m3lm.engine.follower import follow
 from m3lm.errors import ConfigError
+from m3lm.layers.linear import weight_bytes
 from m3lm.loader import load_model
 from m3lm.models.minimax_m3 import MiniMaxM3
 
@@ -39,6 +40,9 @@ from m3lm.models.minimax_m3 import MiniMaxM3
 SPEC = Spec(vocab=96, heads=8, kv_heads=2, experts=8, block=4, topk_blocks=2)
 PROMPTS = [[(7 * i + 3) % 90 + 1 for i in range(19)], [(5 * i + 1) % 90 + 1 for i in range(11)]]
 IDS = torch.tensor([PROMPTS[0] + PROMPTS[0][:5]])  # 24 tokens: past top-k x block, so MSA selects
+# The same with row-parallel inputs (heads x head_dim, MLP and expert widths 128) that split into
+# whole 32-element MXFP8 blocks up to TP 4, so ranks can keep 8-bit shards.
+MX_SPEC = replace(SPEC, inter=128, shared_inter=128, dense_inter=128)
 
 
 def _args() -> ModelArgs:
@@ -52,6 +56,20 @@ def random_dir(tmp_path_factory):
     return write_checkpoint(
         path, to_release(hf_model(SPEC, seed=3).state_dict(), SPEC), release_config(SPEC), 2
     )
+
+
+def write_mxfp8_release(path, s: Spec, seed: int, shards: int = 1):
+    """A random MXFP8 release export of spec `s` (the release's quantisation scheme)."""
+    values, scales, _ = quantize_hf(hf_model(s, seed=seed).state_dict())
+    config = release_config(s)
+    config["text_config"]["quantization_config"] = {"quant_method": "mxfp8", "weight_block_size": [1, 32]}
+    return write_checkpoint(path, mxfp8_release(values, scales, s), config, shards)
+
+
+@pytest.fixture(scope="module")
+def mxfp8_dir(tmp_path_factory):
+    """A random MXFP8 release export of MX_SPEC in 3 shards."""
+    return write_mxfp8_release(tmp_path_factory.mktemp("mxfp8"), MX_SPEC, seed=5, shards=3)
 
 
 # --- the shard plan (pure) ----------------------------------------------------------------------
@@ -177,25 +195,25 @@ def _rank_main(rank: int, world: int, port: int, cases: list, out: str) -> None:
     torch.set_num_threads(1)
     pc = init_group(ParallelConfig(world, rank), "gloo", f"tcp://127.0.0.1:{port}", 60.0)
     results = {}
-    for name, path, ep in cases:
-        model = load_model(path, "cpu", torch.float32, parallel=replace(pc, ep=ep))
+    for name, path, ep, quant in cases:
+        model = load_model(path, "cpu", torch.float32, quant=quant, parallel=replace(pc, ep=ep))
         with torch.inference_mode():
             logits = model(IDS)  # every rank runs the same full forward
+        dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        results[f"{name}-ep{int(ep)}"] = {"bytes": weight_bytes(model), "dtypes": dtypes}
         if rank == 0:
-            results[f"{name}-ep{int(ep)}"] = (logits, _engine_greedy(model))
+            results[f"{name}-ep{int(ep)}"].update(logits=logits, greedy=_engine_greedy(model))
             steps.send(model.parallel, None)
         else:
             assert follow(model) > 0
-    if rank == 0:
-        torch.save(results, out)
+    torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_sharded_logits_and_greedy_equal_single_process(world, random_dir, tmp_path):
-    dirs = [("random", random_dir)] + [(d.name, d) for d in fixture_dirs() if d.name == "minimax-m3-tiny"]
-    cases = [(name, str(path), ep) for name, path in dirs for ep in (False, True)]
-    out = tmp_path / "results.pt"
+def run_group(world: int, cases: list, tmp_path) -> list[dict]:
+    """Load and run each case (name, path, ep, quant) on a gloo group of `world` processes: per rank,
+    "{name}-ep{0|1}" -> resident bytes and parameter dtypes (rank 0: also logits and greedy ids)."""
+    out = tmp_path / "results"
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, cases, str(out))) for r in range(world)]
@@ -204,18 +222,46 @@ def test_sharded_logits_and_greedy_equal_single_process(world, random_dir, tmp_p
     for p in procs:
         p.join(120)
     assert [p.exitcode for p in procs] == [0] * world
-    results = torch.load(out)
-    assert len(results) == len(cases)
-    for name, path in dirs:
-        model = load_model(path, "cpu", torch.float32)
-        with torch.inference_mode():
-            ref = model(IDS)
-        greedy = _engine_greedy(model)
+    return [torch.load(f"{out}.{r}") for r in range(world)]
+
+
+def assert_equal_to_single_process(result: dict, ref_model, what) -> None:
+    """Sharded logits within 1e-5 (relative to the largest) of the single process's; same greedy ids."""
+    with torch.inference_mode():
+        ref = ref_model(IDS)
+    err = float((result["logits"] - ref).abs().max() / ref.abs().max())
+    assert err < 1e-5, (what, err)
+    assert result["greedy"] == _engine_greedy(ref_model), what
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_logits_and_greedy_equal_single_process(world, random_dir, mxfp8_dir, tmp_path):
+    """Float shards (random and fixture checkpoints) and 8-bit shards of an MXFP8 export (quant="mxfp8":
+    e4m3 weights dequantised on the fly on the CPU), each with and without expert parallelism."""
+    dirs = [("random", random_dir, "auto")]
+    dirs += [(d.name, d, "auto") for d in fixture_dirs() if d.name == "minimax-m3-tiny"]
+    dirs.append(("mxfp8", mxfp8_dir, "mxfp8"))
+    cases = [(name, str(path), ep, quant) for name, path, quant in dirs for ep in (False, True)]
+    ranks = run_group(world, cases, tmp_path)
+    assert len(ranks[0]) == len(cases)
+    for name, path, quant in dirs:
+        model = load_model(path, "cpu", torch.float32, quant=quant)
         for ep in (False, True):
-            logits, ids = results[f"{name}-ep{int(ep)}"]
-            err = float((logits - ref).abs().max() / ref.abs().max())
-            assert err < 1e-5, (name, ep, err)
-            assert ids == greedy, (name, ep)
+            assert_equal_to_single_process(ranks[0][f"{name}-ep{int(ep)}"], model, (name, ep))
+            if quant == "mxfp8":
+                _check_8_bit_ranks([r[f"{name}-ep{int(ep)}"] for r in ranks], model)
+
+
+def _check_8_bit_ranks(ranks: list[dict], single) -> None:
+    """float8 exactly where the single process has it; about 1/N of its 8-bit bytes per rank."""
+    world, full = len(ranks), weight_bytes(single)
+    for r in ranks:
+        assert r["dtypes"] == {n: p.dtype for n, p in single.named_parameters()}
+        size = r["bytes"]
+        assert size["uint8"] * 32 == size["float8_e4m3fn"]
+        # 1/N, plus the replicated index-key head (and the KV heads two ranks share at N = 4)
+        assert full["float8_e4m3fn"] / world <= size["float8_e4m3fn"] < 1.05 * full["float8_e4m3fn"] / world
+        assert size["float32"] < 0.7 * full["float32"]  # vocab rows split; norms and router replicated
 
 
 def test_a_failed_worker_stops_generate_with_a_clear_error(tmp_path):

@@ -6,6 +6,10 @@ heads (each rank then keeps the one KV head its query heads read). Index-query h
 their KV group; the single index-key head, norms and the fp32 router are replicated. Dense MLP
 and shared expert: gate/up rows split, down columns split. Routed experts: whole experts per
 rank with expert parallelism, else each expert's width split. Embedding and lm_head: vocab rows.
+
+An 8-bit weight's E8M0 scales [.., O, In/32] follow it: the same rows (and experts), and its
+input columns in whole 32-blocks, so a row-parallel split must put every rank's slice of the
+input on block boundaries (`check_mxfp8_split`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from m3lm.config import ModelArgs
 from m3lm.distributed.parallel import ParallelConfig
 from m3lm.errors import ConfigError
+from m3lm.kernels.fp8 import MX_BLOCK
 
 
 def part(n: int, pc: ParallelConfig, what: str) -> tuple[int, int]:
@@ -39,6 +44,9 @@ def param_shard(name: str, shape: tuple[int, ...], args: ModelArgs, pc: Parallel
     """This rank's slice of parameter `name` of full shape `shape` (m3lm names); () = replicated."""
     if pc.world == 1:
         return ()
+    if name.endswith("_scale"):  # `<weight>_scale` [..., O, In/32] of an 8-bit weight [..., O, In]
+        weight = name.removesuffix("_scale")
+        return scale_shard(param_shard(weight, (*shape[:-1], shape[-1] * MX_BLOCK), args, pc), weight)
     whole = [slice(0, n) for n in shape]
 
     def split(dim: int, lo: int, hi: int) -> tuple[slice, ...]:
@@ -72,6 +80,48 @@ def param_shard(name: str, shape: tuple[int, ...], args: ModelArgs, pc: Parallel
         dim = 2 if leaf.endswith("w2") else 1
         return split(dim, *part(shape[dim], pc, "intermediate_size"))
     return ()
+
+
+def scale_shard(shard: tuple[slice, ...], weight: str) -> tuple[slice, ...]:
+    """The slice of an 8-bit weight's scales [..., O, In/32] that goes with its `shard`."""
+    if not shard:
+        return ()
+    lo, hi = shard[-1].start, shard[-1].stop
+    if lo % MX_BLOCK or hi % MX_BLOCK:
+        raise ConfigError(
+            f"{weight}: this rank's input columns [{lo}, {hi}) do not fall on whole {MX_BLOCK}-element "
+            "MXFP8 blocks, so its 8-bit shard cannot be cut from the checkpoint"
+        )
+    return (*shard[:-1], slice(lo // MX_BLOCK, hi // MX_BLOCK))
+
+
+def mxfp8_split_errors(args: ModelArgs, pc: ParallelConfig) -> list[str]:
+    """The row-parallel input widths (held in 8 bits, i.e. multiples of 32) whose per-rank slices
+    are not whole 32-blocks; empty when every 8-bit shard is aligned (always on one process)."""
+    widths = [("num_attention_heads x head_dim", args.num_attention_heads * args.head_dim)]  # o_proj
+    if not all(args.moe_layers):
+        widths.append(("dense_intermediate_size", args.dense_intermediate_size))  # down_proj
+    if any(args.moe_layers):
+        widths.append(("shared_intermediate_size", args.shared_intermediate_size))
+        if not pc.ep:
+            widths.append(("intermediate_size", args.intermediate_size))  # w2 (EP keeps whole experts)
+    w = pc.world
+    return [
+        f"{what} = {n} over {w} ranks gives {n // w} per rank"
+        for what, n in widths
+        if w > 1 and n % MX_BLOCK == 0 and n % w == 0 and (n // w) % MX_BLOCK
+    ]
+
+
+def check_mxfp8_split(args: ModelArgs, pc: ParallelConfig) -> None:
+    """ConfigError unless every rank's 8-bit shard starts and ends on a 32-element input block."""
+    errors = mxfp8_split_errors(args, pc)
+    if errors:
+        raise ConfigError(
+            f"8-bit (MXFP8) weights at tensor-parallel size {pc.world} need each rank's input slice "
+            f"to be a multiple of {MX_BLOCK}: {'; '.join(errors)} (load with quant='none' to "
+            "dequantise the shards, or pick another tensor-parallel size)"
+        )
 
 
 def local_shape(shape: tuple[int, ...], shard: tuple[slice, ...]) -> tuple[int, ...]:

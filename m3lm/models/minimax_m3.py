@@ -20,7 +20,7 @@ from torch import nn
 from m3lm.config import ModelArgs
 from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.distributed.parallel import SINGLE, ParallelConfig, all_gather, all_reduce
-from m3lm.distributed.shard import head_ranges, part
+from m3lm.distributed.shard import check_mxfp8_split, head_ranges, part
 from m3lm.kernels.fp8 import MX_BLOCK, moe_experts_mxfp8, quantize_mxfp8
 from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.msa import msa_attention_ref, msa_attention_sdpa, msa_select_ref
@@ -172,6 +172,7 @@ class Experts(nn.Module):
     """Routed experts stacked along E: w1 gate, w3 up [E, I, C]; w2 down [E, C, I].
 
     With expert parallelism a rank holds experts first .. first+E/N-1; without, every expert's I/N.
+    8-bit (`to_mxfp8_`): the same local shapes in e4m3, plus E8M0 scales `w*_scale` [E, O, In/32].
     """
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype, parallel: ParallelConfig = SINGLE):
@@ -225,16 +226,15 @@ class MoE(nn.Module):
         weights, ids = route(logits, self.e_score_correction_bias, self.top_k)  # [T, A]
         ex = self.experts
         if ex.w1.dtype == torch.float8_e4m3fn:  # weight-only FP8 experts (dequantised on the CPU)
-            scales = (ex.w1, ex.w1_scale, ex.w3, ex.w3_scale, ex.w2, ex.w2_scale)
-            routed = moe_experts_mxfp8(x, weights, ids, *scales, self.alpha, self.limit)  # [T, C] fp32
+            experts, stacked = moe_experts_mxfp8, (ex.w1, ex.w1_scale, ex.w3, ex.w3_scale, ex.w2, ex.w2_scale)
         else:
-            experts = moe_experts_ref
+            experts, stacked = moe_experts_ref, (ex.w1, ex.w3, ex.w2)
             if x.is_cuda:  # the Triton grouped GEMM; imported here so CPU installs need no Triton
                 from m3lm.kernels.moe_triton import moe_experts as experts
-            if ex.partitioned:
-                routed = _local_experts(experts, x, weights, ids, ex, self.alpha, self.limit)  # [T, C] fp32
-            else:
-                routed = experts(x, weights, ids, ex.w1, ex.w3, ex.w2, self.alpha, self.limit)  # [T, C] fp32
+        if ex.partitioned:
+            routed = _local_experts(experts, x, weights, ids, ex.first, stacked, self.alpha, self.limit)
+        else:
+            routed = experts(x, weights, ids, *stacked, self.alpha, self.limit)  # [T, C] fp32
         # routed_scaling_factor scales the routed sum only; the shared expert enters at 1.0.
         return (routed * self.scaling + self.shared_experts(x).float()).to(x.dtype)
 
@@ -297,14 +297,19 @@ def _width(n: int, parallel: ParallelConfig) -> int:
     return hi - lo
 
 
-def _local_experts(experts, x, weights, ids, ex: Experts, alpha: float, limit: float) -> torch.Tensor:
-    """Expert parallelism: only the (token, expert) pairs whose expert lives on this rank -> [T, C] fp32."""
-    local = (ids >= ex.first) & (ids < ex.first + ex.w1.shape[0])  # [T, A]
+def _local_experts(
+    experts, x, weights, ids, first: int, stacked: tuple, alpha: float, limit: float
+) -> torch.Tensor:
+    """Expert parallelism: only the (token, expert) pairs whose expert lives on this rank -> [T, C] fp32.
+
+    `stacked`: the rank's experts first .. first+E/N-1 as `experts` takes them (w1, w3, w2, or each
+    8-bit one followed by its scales), leading dim E/N."""
+    local = (ids >= first) & (ids < first + stacked[0].shape[0])  # [T, A]
     tok, slot = local.nonzero(as_tuple=True)  # [M]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if tok.numel():
-        pair_ids = (ids[tok, slot] - ex.first)[:, None]  # [M, 1]
-        y = experts(x[tok], weights[tok, slot][:, None], pair_ids, ex.w1, ex.w3, ex.w2, alpha, limit)
+        pair_ids = (ids[tok, slot] - first)[:, None]  # [M, 1]
+        y = experts(x[tok], weights[tok, slot][:, None], pair_ids, *stacked, alpha, limit)  # [M, C]
         out.index_add_(0, tok, y)
     return out
 
@@ -326,8 +331,7 @@ class MiniMaxM3(nn.Module):
             args.hidden_size, self.model.embed_tokens.num_embeddings, bias=False, dtype=dtype
         )
         if quant == "mxfp8":
-            if parallel.world > 1:
-                raise ValueError("8-bit weights are kept on one GPU only; a tensor-parallel rank dequantises")
+            check_mxfp8_split(args, parallel)  # a rank's 8-bit shards hold whole 32-blocks of inputs
             keep_mxfp8_(self)
         elif quant is not None:
             raise ValueError(f"quant = {quant!r} is not supported (expected None or 'mxfp8')")
@@ -375,7 +379,8 @@ MXFP8_LINEARS = (
 def keep_mxfp8_(model: MiniMaxM3, quantize: bool = False) -> MiniMaxM3:
     """Hold in 8 bits exactly what the MXFP8 release stores so: attention and indexer projections,
     dense MLP, shared and routed experts (embedding, lm_head, norms and router stay as they are).
-    Empty weights for the loader, or `quantize` the current ones (the release's scheme)."""
+    Empty weights for the loader, or `quantize` the current ones (the release's scheme). On a
+    tensor-parallel shard the layers have their local shapes, so the 8-bit weights do too."""
     for layer in model.model.layers:
         for path, names in MXFP8_LINEARS:
             owner = layer.get_submodule(path) if hasattr(layer, path.split(".")[0]) else None

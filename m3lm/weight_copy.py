@@ -1,0 +1,69 @@
+"""Copy checkpoint tensor slices into parameters: 8-bit parameters take MXFP8 values and scales
+as stored (or quantise a float slice with the release's scheme), float parameters take the slice
+dequantised; NaN and Inf are refused in every encoding."""
+
+from __future__ import annotations
+
+import torch
+
+from m3lm.errors import CheckpointError
+from m3lm.kernels.fp8 import MX_BLOCK, dequant_mxfp8, mxfp8_invalid, quantize_mxfp8
+from m3lm.models.minimax_m3 import Piece
+
+
+def read_slice(sl, scale, index: tuple) -> torch.Tensor:
+    """Source tensor `sl` at `index` (every dim indexed); MXFP8 is dequantised by whole 32-blocks
+    along the input dim and then trimmed, so a slice need not start on a block boundary."""
+    if scale is None:
+        return sl[index]
+    lo, hi = index[-1].start, index[-1].stop
+    first, last = lo // MX_BLOCK, -(-hi // MX_BLOCK)
+    q = sl[(*index[:-1], slice(first * MX_BLOCK, last * MX_BLOCK))]
+    w = dequant_mxfp8(q, scale[(*index[:-1], slice(first, last))])
+    return w[..., lo - first * MX_BLOCK : hi - first * MX_BLOCK]
+
+
+def write_piece(params: dict, p: Piece, t: torch.Tensor, scale: torch.Tensor | None, name: str) -> None:
+    """Copy one piece into its parameter: kept in 8 bits when the parameter is (quantised at load if
+    the checkpoint is not), otherwise dequantised; NaN/Inf in any encoding is refused."""
+    target = params[p.param] if p.slot is None else params[p.param][p.slot]
+    if target.dtype == torch.float8_e4m3fn:
+        if scale is None:
+            check_finite(t, name)
+            t, scale = quantize_mxfp8(t)
+        elif mxfp8_invalid(t, scale):
+            raise CheckpointError(f"{name} holds NaN values (e4m3 or E8M0 NaN encodings)")
+        sc = params[p.param + "_scale"]
+        target.copy_(t)
+        (sc if p.slot is None else sc[p.slot]).copy_(scale)
+        return
+    if scale is not None:
+        t = dequant_mxfp8(t, scale)
+    check_finite(t, name)
+    target.copy_(t)
+
+
+def write_slice(params: dict, p: Piece, sl, scale, index: tuple, name: str) -> None:
+    """Copy a rank's slice `index` of a source tensor into local piece `p`: an 8-bit parameter takes
+    the e4m3 values and the scales of the same rows and 32-blocks as they are (or the slice,
+    quantised); a float one takes the slice dequantised."""
+    target = params[p.param] if p.slot is None else params[p.param][p.slot]
+    if target.dtype == torch.float8_e4m3fn:
+        s = scale[(*index[:-1], _block_slice(index[-1], name))] if scale is not None else None
+        write_piece(params, p, sl[index], s, name)
+        return
+    t = read_slice(sl, scale, index)
+    check_finite(t, name)
+    target.copy_(t)
+
+
+def _block_slice(ix: slice, name: str) -> slice:
+    """The scale columns of input columns `ix` (whole 32-blocks; the shard plan guarantees it)."""
+    if ix.start % MX_BLOCK or ix.stop % MX_BLOCK:
+        raise CheckpointError(f"{name}: input columns [{ix.start}, {ix.stop}) are not whole MXFP8 blocks")
+    return slice(ix.start // MX_BLOCK, ix.stop // MX_BLOCK)
+
+
+def check_finite(t: torch.Tensor, name: str) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise CheckpointError(f"{name} holds NaN or Inf values")
