@@ -156,9 +156,8 @@ def report() -> str:
         "shared and routed experts) as e4m3 plus one uint8 scale per 32 inputs; embedding, lm_head, norms "
         "and the fp32 router as stored. Every row-parallel shard's input width divides by 32 at TP 4 and 8 "
         "(o_proj 1024 or 2048, dense down_proj 1536 or 3072, expert down_proj 384 or 768 without EP), so a "
-        "rank's 8-bit shard is exactly its slice of the release's blocks. Today a tensor-parallel rank "
-        "still dequantises its shard to bf16 (8-bit shards under TP are being added separately), so the "
-        "MXFP8 columns are what a rank will hold then; until then use the bf16 columns. The whole MXFP8 "
+        "rank's 8-bit shard is exactly its slice of the release's blocks, and a tensor-parallel rank keeps "
+        "it in 8 bits (the loader reads the e4m3 slice and its scales as stored). The whole MXFP8 "
         "text decoder is 442.0e9 B = 411.6 GiB: performance.md's '413 GB' reads as GiB of the files.",
         "",
         *section("16-layer slice (tp_bench.py --layers 16)", slice16),

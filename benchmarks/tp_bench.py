@@ -259,10 +259,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ns.prefill = ns.prefill if ns.prefill is not None else ([64, 256] if ns.tiny else [8192, 65536])
     if ns.quant not in (["bf16"], ["mxfp8"], ["bf16", "mxfp8"]):
         p.error("--quant: expected bf16, mxfp8 or bf16,mxfp8")
-    if "mxfp8" in ns.quant and ns.expert_parallel:
-        p.error(
-            "--quant mxfp8 with --expert-parallel: the MXFP8 expert kernels do not take local experts yet"
-        )
     if ns.layers < 2:
         p.error("--layers must be at least 2 (the projection needs a MoE + MSA layer)")
     if "decode" in (ns.decode_path or []) and ns.cpu_gloo:
