@@ -52,8 +52,13 @@ def _load(args: argparse.Namespace):
     try:
         if tp > 1 or under_torchrun():
             ep = args.expert_parallel
-            return launch(args.model, tp, ep, device=args.device, dtype=args.dtype, progress=progress)
-        return (*m3lm.load(args.model, device=args.device, dtype=args.dtype, progress=progress), None)
+            return launch(
+                args.model, tp, ep, device=args.device, dtype=args.dtype, progress=progress, quant=args.quant
+            )
+        loaded = m3lm.load(
+            args.model, device=args.device, dtype=args.dtype, progress=progress, quant=args.quant
+        )
+        return (*loaded, None)
     finally:
         if bar is not None:
             bar.close()
@@ -130,7 +135,18 @@ def _generate(model, tokenizer, args: argparse.Namespace) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """A REPL that keeps the conversation; /reset clears it, /exit or end of input quits."""
-    model, tokenizer, _ = _load(args)
+    loaded = _load(args)
+    if loaded is None:  # a follower rank under torchrun: rank 0 has finished
+        return 0
+    model, tokenizer, group = loaded
+    try:
+        return _chat(model, tokenizer, args)
+    finally:
+        if group is not None:
+            group.shutdown()
+
+
+def _chat(model, tokenizer, args: argparse.Namespace) -> int:
     if tokenizer is None or not tokenizer.has_chat_template:
         raise M3lmError(f"{args.model} has no tokenizer with a chat template")
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -179,6 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         msa_dense_window=args.msa_dense_window,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.expert_parallel,
+        quant=args.quant,
     )
     return 0
 
@@ -272,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--compare-transformers", action="store_true")
     bn.add_argument("--out", default=None, help="append the Markdown report to this file")
     bn.set_defaults(func=cmd_bench)
-    for p in (gen, srv):
+    for p in (gen, chat, srv):
         p.add_argument(
             "--tensor-parallel-size",
             type=int,
@@ -286,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
             help="with tensor parallelism: whole experts per rank instead of every expert's width split",
         )
     for p in (gen, chat, srv):
+        p.add_argument(
+            "--quant",
+            choices=["auto", "mxfp8", "none"],
+            default="auto",
+            help="MXFP8 weights: auto keeps an MXFP8 checkpoint in 8 bits on a GPU, mxfp8 always "
+            "(quantising a bf16 checkpoint at load), none dequantises",
+        )
         p.add_argument(
             "--verbose", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"
         )

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import FIXTURES
 
 from m3lm.cli import main
@@ -195,3 +196,33 @@ COMMON = set(
         "then",
     ]
 )
+
+
+def test_generate_with_weights_quantised_to_mxfp8_at_load():
+    import m3lm
+
+    model, tok = m3lm.load(m3lm.DEFAULT_MODEL, device="cpu", quant="mxfp8")
+    want = m3lm.generate(model, tok, "Once upon a time", max_tokens=12, temperature=0.0).text
+    assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())  # kept 8-bit on the CPU too
+    r = cli(
+        "generate",
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--quant",
+        "mxfp8",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "Once upon a time" + want + "\n"
+
+
+@needs_fixture
+def test_chat_under_tensor_parallelism_matches_one_process():
+    args = ["chat", "--model", str(TINY), "--max-tokens", "8", "--temperature", "0"]
+    one = cli(*args, stdin="hello\nand then?\n/exit\n")
+    two = cli(*args, "--tensor-parallel-size", "2", stdin="hello\nand then?\n/exit\n")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert two.stdout == one.stdout and one.stdout.count("\n") == 2

@@ -118,20 +118,20 @@ class Group:
             dist.destroy_process_group()
 
 
-def _load(model_dir: str, dev: torch.device, dtype: Any, pc: ParallelConfig, progress=None):
+def _load(model_dir: str, dev: torch.device, dtype: Any, quant: str, pc: ParallelConfig, progress=None):
     import m3lm
 
-    return m3lm.load(model_dir, device=dev, dtype=dtype, progress=progress, parallel=pc)
+    return m3lm.load(model_dir, device=dev, dtype=dtype, progress=progress, quant=quant, parallel=pc)
 
 
-def _follow(model_dir: str, dev: torch.device, dtype: Any, pc: ParallelConfig) -> None:
+def _follow(model_dir: str, dev: torch.device, dtype: Any, quant: str, pc: ParallelConfig) -> None:
     from m3lm.engine.follower import follow
 
-    model, _ = _load(model_dir, dev, dtype, pc)
+    model, _ = _load(model_dir, dev, dtype, quant, pc)
     follow(model)
 
 
-def _worker(rank: int, world: int, ep: bool, port: int, model_dir: str, device, dtype) -> None:
+def _worker(rank: int, world: int, ep: bool, port: int, model_dir: str, device, dtype, quant: str) -> None:
     """Entry point of a spawned worker process on this node."""
     try:
         dev = rank_device(device, rank)
@@ -139,7 +139,7 @@ def _worker(rank: int, world: int, ep: bool, port: int, model_dir: str, device, 
         pc = init_group(
             ParallelConfig(world, rank, ep), _backend(dev), f"tcp://127.0.0.1:{port}", COLLECTIVE_TIMEOUT_S
         )
-        _follow(model_dir, dev, dtype, pc)
+        _follow(model_dir, dev, dtype, quant, pc)
     except Exception as e:
         print(f"m3lm: error: tensor-parallel rank {rank}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -153,8 +153,9 @@ def launch(
     device: str | None = None,
     dtype: Any = None,
     progress: Callable[[int, int], None] | None = None,
+    quant: str = "auto",
 ) -> tuple[Any, Any, Group] | None:
-    """Start (or join, under torchrun) the group and load this rank's shard.
+    """Start (or join, under torchrun) the group and load this rank's shard (`quant` as in `m3lm.load`).
 
     Rank 0 gets (model, tokenizer, group) and must call `group.shutdown()` when done; a follower
     rank under torchrun runs rank 0's steps until STOP and gets None.
@@ -172,7 +173,7 @@ def launch(
             ParallelConfig(world, rank, expert_parallel), _backend(dev), "env://", COLLECTIVE_TIMEOUT_S
         )
         if rank != 0:
-            _follow(model_dir, dev, dtype, pc)
+            _follow(model_dir, dev, dtype, quant, pc)
             dist.destroy_process_group()
             return None
         group = Group(pc, [])
@@ -183,7 +184,7 @@ def launch(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world, expert_parallel, port, model_dir, device, dtype),
+                args=(rank, world, expert_parallel, port, model_dir, device, dtype, quant),
                 name=f"m3lm-tp{rank}",
                 daemon=True,
             )
@@ -196,7 +197,7 @@ def launch(
         _cpu_threads(dev, world)
         group.pc = pc = init_group(pc, _backend(dev), f"tcp://127.0.0.1:{port}", COLLECTIVE_TIMEOUT_S)
     try:
-        model, tokenizer = _load(model_dir, dev, dtype, pc, progress)
+        model, tokenizer = _load(model_dir, dev, dtype, quant, pc, progress)
     except BaseException:
         group.shutdown(timeout=5.0)
         raise

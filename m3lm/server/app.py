@@ -255,6 +255,7 @@ def serve(
     limits: Limits | None = None,
     tensor_parallel_size: int = 1,
     expert_parallel: bool = False,
+    quant: str = "auto",
     **engine_kwargs,
 ) -> None:
     """Load the model, start the engine thread and run uvicorn until SIGINT/SIGTERM.
@@ -264,7 +265,7 @@ def serve(
     from m3lm.distributed.launch import launch, under_torchrun
 
     if tensor_parallel_size > 1 or under_torchrun():
-        loaded = launch(model_dir, tensor_parallel_size, expert_parallel, device, dtype)
+        loaded = launch(model_dir, tensor_parallel_size, expert_parallel, device, dtype, quant=quant)
         if loaded is None:  # a follower rank: rank 0 has stopped
             return
         model, tokenizer, group = loaded
@@ -286,7 +287,7 @@ def serve(
         return
     import m3lm
 
-    model, tokenizer = m3lm.load(model_dir, device=device, dtype=dtype)
+    model, tokenizer = m3lm.load(model_dir, device=device, dtype=dtype, quant=quant)
     _serve(
         model, tokenizer, model_dir, host, port, api_key, served_model_name, grace_s, limits, engine_kwargs
     )
