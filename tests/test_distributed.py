@@ -236,10 +236,10 @@ def assert_equal_to_single_process(result: dict, ref_model, what) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_logits_and_greedy_equal_single_process(world, random_dir, mxfp8_dir, tmp_path):
-    """Float shards (random and fixture checkpoints) and 8-bit shards of an MXFP8 export (quant="mxfp8":
+    """Float shards (a random checkpoint and every golden fixture) and 8-bit shards of an MXFP8 export (quant="mxfp8":
     e4m3 weights dequantised on the fly on the CPU), each with and without expert parallelism."""
     dirs = [("random", random_dir, "auto")]
-    dirs += [(d.name, d, "auto") for d in fixture_dirs() if d.name == "minimax-m3-tiny"]
+    dirs += [(d.name, d, "auto") for d in fixture_dirs()]  # every golden fixture (MXFP8 dequantised)
     dirs.append(("mxfp8", mxfp8_dir, "mxfp8"))
     cases = [(name, str(path), ep, quant) for name, path, quant in dirs for ep in (False, True)]
     ranks = run_group(world, cases, tmp_path)
