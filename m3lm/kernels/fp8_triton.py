@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from m3lm.kernels.fp8 import MX_BLOCK
+from m3lm.kernels.host import precision, sm_count
 
 
 @triton.jit
@@ -60,10 +61,6 @@ def _mxfp8_matmul_kernel(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok & (offs_n[None, :] < N))
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
 def matmul_config(t: int, o: int, kdim: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, warps, stages): GEMV-like tiles for decode, square-ish tiles for prefill."""
     bk_cap = max(32, triton.next_power_of_2(kdim))
@@ -84,11 +81,11 @@ def mxfp8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, config=N
     assert kdim % MX_BLOCK == 0 and q.shape[1] == kdim and scale.shape == (o, kdim // MX_BLOCK)
     x = x.contiguous()
     y = torch.empty(t, o, device=x.device, dtype=x.dtype)
-    bm, bn, bk, warps, stages = config or matmul_config(t, o, kdim, _sm_count(x.device))
+    bm, bn, bk, warps, stages = config or matmul_config(t, o, kdim, sm_count(x.device))
     grid = (triton.cdiv(t, bm), triton.cdiv(o, bn))
     _mxfp8_matmul_kernel[grid](
         x, q, scale, y, t, x.stride(0), q.stride(0), scale.stride(0), y.stride(0),
-        N=o, KDIM=kdim, PREC="ieee" if x.dtype == torch.float32 else "tf32", BM=bm, BN=bn, BK=bk,
+        N=o, KDIM=kdim, PREC=precision(x), BM=bm, BN=bn, BK=bk,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y

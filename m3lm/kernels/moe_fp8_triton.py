@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from m3lm.kernels.fp8_triton import dequant_tile
+from m3lm.kernels.host import precision
 from m3lm.kernels.moe_triton import align
 from m3lm.layers.mlp import swiglu_oai
 
@@ -85,7 +86,7 @@ def _gemm(a, w, ws, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=No
         a, w, ws, c, sorted_ids, block_expert, used, scale if scale is not None else c,
         m, top_k, a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), c.stride(0),
         N=n, KDIM=kdim, PAIR_ROWS=pair_rows, SCALE=scale is not None,
-        PREC="ieee" if a.dtype == torch.float32 else "tf32", BM=block_m, BN=bn, BK=bk,
+        PREC=precision(a), BM=block_m, BN=bn, BK=bk,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return c

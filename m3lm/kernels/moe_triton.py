@@ -11,11 +11,11 @@ EM = padded pair slots.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from m3lm.kernels.host import interpreted, precision
 
 
 def align_ref(
@@ -81,7 +81,7 @@ ALIGN_KERNEL_MAX_PAIRS = 256  # one program holds [M, M] comparisons; beyond thi
 def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`align_ref`, in one launch when there are few pairs (a decode step)."""
     m = ids.numel()
-    if m > ALIGN_KERNEL_MAX_PAIRS or (not ids.is_cuda and not _interpreted()):
+    if m > ALIGN_KERNEL_MAX_PAIRS or (not ids.is_cuda and not interpreted()):
         return align_ref(ids, n_experts, block_m)
     em = _slots(m, n_experts, block_m)
     sorted_ids = torch.empty(em, dtype=torch.int32, device=ids.device)
@@ -93,10 +93,6 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor
         EMP=triton.next_power_of_2(em), NBP=triton.next_power_of_2(em // block_m), BM=block_m,
     )  # fmt: skip
     return sorted_ids, block_expert, used
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -241,7 +237,7 @@ def gate_up(x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config) -> torc
     _moe_gate_up_kernel[(sorted_ids.numel() // block_m, triton.cdiv(n, bn))](
         x, w1, w3, h, sorted_ids, block_expert, used, m, top_k, alpha, limit,
         x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
-        N=n, KDIM=kdim, PREC="ieee" if x.dtype == torch.float32 else "tf32", BM=block_m, BN=bn, BK=bk,
+        N=n, KDIM=kdim, PREC=precision(x), BM=block_m, BN=bn, BK=bk,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return h
@@ -259,7 +255,7 @@ def grouped_gemm(
     _moe_gemm_kernel[grid](
         a, w, c, sorted_ids, block_expert, used, scale if scale is not None else c,
         m, top_k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        N=n, KDIM=kdim, PAIR_ROWS=pair_rows, PREC="ieee" if a.dtype == torch.float32 else "tf32", SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
+        N=n, KDIM=kdim, PAIR_ROWS=pair_rows, PREC=precision(a), SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return c

@@ -15,12 +15,11 @@ U = BQ x k union slots per tile.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from m3lm.kernels.host import interpreted, precision
 from m3lm.kernels.msa import select_blocks_ref
 
 ROWS = 64  # query rows (queries x heads of a group) per program
@@ -182,8 +181,8 @@ def msa_prefill_attention(
         G=g, BQ=bq, RP=max(16, triton.next_power_of_2(bq * g)), D=d, DP=max(16, triton.next_power_of_2(d)),
         S=block_size, SP=max(16, triton.next_power_of_2(block_size)), TOPK=topk,
         KP=max(2, triton.next_power_of_2(topk)), SPARSE=sparse, MAX_ITERS=max_iters,
-        DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1",
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        DYNAMIC=not interpreted(),
+        PREC=precision(q), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -249,8 +248,8 @@ def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, first_pos: int, block
     _index_scores_kernel[(triton.cdiv(t_len, bt), n_kv)](
         iq, ik, out, first_pos, t_len, tk, iq.stride(0), iq.stride(1), ik.stride(0), out.stride(0), out.stride(1),
         DI=di, DIP=max(16, triton.next_power_of_2(di)), S=block_size, SP=max(16, triton.next_power_of_2(block_size)),
-        BT=bt, MAX_BLOCKS=triton.cdiv(first_pos + t_len, block_size), DYNAMIC=os.environ.get("TRITON_INTERPRET") != "1",
-        PREC="ieee" if iq.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+        BT=bt, MAX_BLOCKS=triton.cdiv(first_pos + t_len, block_size), DYNAMIC=not interpreted(),
+        PREC=precision(iq), num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
 

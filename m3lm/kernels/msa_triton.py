@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from m3lm.kernels.host import pad, precision, sm_count
+
 
 @triton.jit
 def _index_scores_kernel(
@@ -77,8 +79,8 @@ def index_block_scores(
     _index_scores_kernel[(b, maxp)](
         iq, ik_pool, ik_scale if ik_scale is not None else out, tables, lens, out,
         iq.stride(0), iq.stride(1), ik_pool.stride(0), ik_pool.stride(1), tables.stride(0), out.stride(0), out.stride(1),
-        K=k, KP=max(16, triton.next_power_of_2(k)), DI=di, DIP=_pad(di), S=ik_pool.shape[1],
-        SP=_pad(ik_pool.shape[1]), PREC=_precision(iq), FP8=ik_scale is not None,
+        K=k, KP=max(16, triton.next_power_of_2(k)), DI=di, DIP=pad(di), S=ik_pool.shape[1],
+        SP=pad(ik_pool.shape[1]), PREC=precision(iq), FP8=ik_scale is not None,
     )  # fmt: skip
     return out
 
@@ -214,22 +216,6 @@ def _combine_kernel(
     )
 
 
-def _pad(n: int) -> int:
-    """Tile extent for n: a power of two, at least 16 (the matrix units' smallest K)."""
-    return max(16, triton.next_power_of_2(n))
-
-
-def _precision(t: torch.Tensor) -> str:
-    """fp32 inputs multiply in full fp32 (the reference's precision), not tf32."""
-    return "ieee" if t.dtype == torch.float32 else "tf32"
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -249,7 +235,7 @@ def paged_attention(
     g = h // n_kv
     slots = block_ids.shape[-1] if block_ids is not None else tables.shape[1]
     if splits is None:  # enough programs to fill the GPU: about two per multiprocessor
-        splits = -(-2 * _sm_count(q.device) // (b * n_kv))
+        splits = -(-2 * sm_count(q.device) // (b * n_kv))
     splits = max(1, min(splits, slots))
     per_split = -(-slots // splits)
     splits = -(-slots // per_split)
@@ -265,12 +251,12 @@ def paged_attention(
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), tables.stride(0),
         blocks.stride(0), blocks.stride(1) if block_ids is not None else 0,
         m.stride(0), m.stride(1), m.stride(2), acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3),
-        G=g, GP=_pad(g), D=d, DP=_pad(d), S=k_pool.shape[1], SP=_pad(k_pool.shape[1]), PER_SPLIT=per_split,
-        DENSE=block_ids is None, PREC=_precision(q),
+        G=g, GP=pad(g), D=d, DP=pad(d), S=k_pool.shape[1], SP=pad(k_pool.shape[1]), PER_SPLIT=per_split,
+        DENSE=block_ids is None, PREC=precision(q),
     )  # fmt: skip
     out = torch.empty_like(q)
     _combine_kernel[(b, n_kv)](
         m, l_, acc, out, m.stride(0), m.stride(1), m.stride(2), acc.stride(0), acc.stride(1), acc.stride(2),
-        acc.stride(3), out.stride(0), out.stride(1), SPLITS=splits, G=g, GP=_pad(g), D=d, DP=_pad(d),
+        acc.stride(3), out.stride(0), out.stride(1), SPLITS=splits, G=g, GP=pad(g), D=d, DP=pad(d),
     )  # fmt: skip
     return out
