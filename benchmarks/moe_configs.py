@@ -3,27 +3,29 @@
 For several token counts, times the fused gate/up + SwiGLU kernel (N = I, K = C) and the down
 GEMM (N = C, K = I) under each tile configuration and BLOCK_M, and prints the best, with the
 bandwidth it reaches on the expert weights it must read and its arithmetic rate. The winners
-go into `moe_triton.tiles`. Run: `PYTHONPATH=. python3 benchmarks/moe_configs.py`.
+go into `moe_triton.tiles`. Run: `PYTHONPATH=. python3 benchmarks/moe_configs.py [T ...]`.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import sys
 
 import torch
 import triton
 
 from m3lm.kernels.moe_triton import align, gate_up, grouped_gemm
 
-SPACE = {  # T: (BLOCK_M choices, BN, BK, warps, stages)
-    1: ((16,), (64, 128), (128, 256), (4,), (3, 4)),
-    64: ((16,), (64, 128), (128, 256), (4,), (3,)),
-    8192: ((64, 128), (128, 256), (64,), (4, 8), (3, 4)),
+SPACE = {  # T: (BLOCK_M choices, BN, BK, warps, stages, GROUP_M)
+    1: ((16,), (64, 128), (128, 256), (4,), (3, 4), (8,)),
+    64: ((16,), (64, 128), (128, 256), (4,), (3,), (8,)),
+    8192: ((64, 128), (128, 256), (64,), (8,), (3, 4), (1, 8, 32)),
 }
 
 
 def main() -> None:
+    only = {int(t) for t in sys.argv[1:]}  # token counts to sweep (default: all)
     e, c, i, a = 128, 6144, 3072, 4
     gen = torch.Generator(device="cuda").manual_seed(0)
     w1, w3 = (
@@ -31,6 +33,8 @@ def main() -> None:
     )
     w2 = torch.randn(e, c, i, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     for t, (block_ms, *space) in SPACE.items():
+        if only and t not in only:
+            continue
         ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:a] for _ in range(t)])
         x = torch.randn(t, c, device="cuda", dtype=torch.bfloat16, generator=gen)
         h = torch.randn(t * a, i, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -170,7 +170,8 @@ def _graph_ms(fn, iters: int) -> float:
 @torch.inference_mode()
 def decode_parts(model: MiniMaxM3, cache: KVCache, batch: int, pages: int, ctx: int, iters: int) -> dict:
     """ms of the decode step's parts, each as its own graph: embedding + final norm + lm_head,
-    layer 0 (dense MLP + full attention) and layer 1 (MoE + MSA)."""
+    layer 0 (dense MLP + full attention) and layer 1 (MoE + MSA), each with the residual add of
+    the previous layer's output that it performs."""
     a, dev = model.args, "cuda"
     tokens = torch.randint(0, a.vocab_size, (batch,), device=dev)
     positions = torch.full((batch,), ctx - 1, device=dev)
@@ -185,10 +186,10 @@ def decode_parts(model: MiniMaxM3, cache: KVCache, batch: int, pages: int, ctx: 
 
     out = {
         "head": _graph_ms(head, iters),
-        "dense": _graph_ms(lambda: layers[0].decode(h, dec, cos, sin), iters),
+        "dense": _graph_ms(lambda: layers[0].decode(h, h, dec, cos, sin), iters),
     }
     if len(layers) > 1:
-        out["sparse"] = _graph_ms(lambda: layers[1].decode(h, dec, cos, sin), iters)
+        out["sparse"] = _graph_ms(lambda: layers[1].decode(h, h, dec, cos, sin), iters)
     return out
 
 

@@ -17,7 +17,14 @@ from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.moe_fp8_triton import moe_experts_fp8
 from m3lm.kernels.moe_triton import moe_experts
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
-from m3lm.kernels.msa_prefill_triton import index_block_scores, msa_prefill_attention, msa_select
+from m3lm.kernels.msa_prefill_triton import (
+    index_block_scores,
+    msa_prefill_attention,
+    msa_select,
+    select_blocks,
+    tile_blocks,
+    tile_blocks_ref,
+)
 from m3lm.layers.mlp import swiglu_oai_ref
 from m3lm.layers.moe import route
 from m3lm.layers.norm import rms_norm_ref
@@ -84,7 +91,21 @@ def prefill_selection():
         assert torch.equal(got.isinf(), want.isinf())
         close(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0))
         got, want = msa_select(iq, ik, pos, s, topk, 1, 0), msa_select_ref(iq, ik, pos, s, topk, 1, 0)
-        assert (got is None and want is None) or torch.equal(got, want)
+        assert (got is None and want is None) or torch.equal(got.long(), want)
+    # Selection from given scores: ties (to the lower id), forced local and initial blocks, queries
+    # that see fewer blocks than k, and more blocks than one program row holds at once.
+    for t_len, first, n, s, topk, local, init in [(37, 0, 10, 4, 3, 1, 0), (9, 900, 300, 3, 5, 2, 1)]:
+        scores = torch.randn(3, t_len, n).round(decimals=1)  # many exact ties
+        pos = torch.arange(first, first + t_len)
+        scores = scores.masked_fill(torch.arange(n)[None, None, :] > (pos // s)[None, :, None], float("-inf"))
+        got = select_blocks(scores, first, s, topk, local, init)
+        assert torch.equal(got.long(), select_blocks_ref(scores, pos, s, topk, local, init))
+    # The union of each tile's selections, in one or several chunks of block ids.
+    for t_len, n, k, bq in [(10, 12, 3, 4), (13, 600, 5, 4)]:
+        ids = torch.stack([torch.randperm(n)[:k] for _ in range(2 * t_len)]).view(2, t_len, k)
+        ids[0, 3, 1:] = -1
+        for got, want in zip(tile_blocks(ids, bq, n), tile_blocks_ref(ids, bq), strict=True):
+            assert torch.equal(got, want)
 
 
 def moe_kernel():
@@ -96,6 +117,17 @@ def moe_kernel():
             moe_experts(x, weights, ids, w1, w3, w2, 1.702, 7.0),
             moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0),
         )
+    # Groups aligned to 32 rows, taken by the kernels in blocks of 16: blocks holding only
+    # padding are skipped, the others find their expert.
+    t, e, a, c, i = 12, 5, 2, 64, 32
+    x = torch.randn(t, c)
+    w1, w3, w2 = torch.randn(e, i, c) * 0.1, torch.randn(e, i, c) * 0.1, torch.randn(e, c, i) * 0.1
+    weights, ids = route(torch.randn(t, e), torch.zeros(e), a)
+    aligned = moe_triton.align(ids, e, 32)
+    cfg = (32, 32, 4, 1, 5)  # 12 row blocks in launch groups of 5: the last group is partial
+    h = moe_triton.gate_up(x, w1, w3, t * a, a, aligned, 1.702, 7.0, 16, cfg)
+    y = moe_triton.grouped_gemm(h, w2, t * a, a, aligned, True, weights.flatten(), torch.float32, 16, cfg)
+    close(y.view(t, a, c).sum(1), moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0))
 
 
 def routing_kernels():
@@ -155,6 +187,23 @@ def elementwise_kernels():
     close(fused.apply_rope(x, cos, sin), apply_rope_ref(x, cos, sin))
     g, u = torch.randn(7, 33) * 5, torch.randn(7, 33) * 5
     close(fused.swiglu_oai(g, u, 1.702, 7.0), swiglu_oai_ref(g, u, 1.702, 7.0))
+    h, d = torch.randn(5, 40), torch.randn(5, 40)
+    w = torch.randn(40)
+    s, y = fused.add_rms_norm(h, d, w, 1e-6)
+    close(s, h + d)
+    close(y, rms_norm_ref(h + d, w, 1e-6))
+    # Per-head norm + RoPE on a strided slice of a wider projection (as the model passes q, k).
+    wide = torch.randn(5, 3 * 24 + 8)
+    view = wide[:, 8:].view(5, 3, 24)
+    w = torch.randn(24)
+    close(fused.norm_rope(view, w, 1e-6, cos, sin), apply_rope_ref(rms_norm_ref(view, w, 1e-6), cos, sin))
+    one_head = wide[:, :24].view(5, 1, 24)
+    close(
+        fused.norm_rope(one_head, w, 1e-6, cos, sin),
+        apply_rope_ref(rms_norm_ref(one_head, w, 1e-6), cos, sin),
+    )
+    pairs, shared = torch.randn(6, 4, 1500), torch.randn(6, 1500)
+    close(fused.moe_combine(pairs, shared, 2.0), pairs.sum(1) * 2.0 + shared)
 
 
 if __name__ == "__main__":

@@ -204,6 +204,22 @@ def test_fused_elementwise_kernels_match_reference(dtype):
         assert rel(fused.apply_rope(x, cos, sin), apply_rope_ref(x, cos, sin)) < tol
     g, u = (torch.randn(37, 3072, generator=gen).mul(5).to(DEV, dtype) for _ in range(2))
     assert rel(fused.swiglu_oai(g, u, 1.702, 7.0), swiglu_oai_ref(g, u, 1.702, 7.0)) < tol
+    h, d = (torch.randn(33, 6144, generator=gen).to(DEV, dtype) for _ in range(2))
+    w = torch.randn(6144, generator=gen).to(DEV, dtype)
+    s, y = fused.add_rms_norm(h, d, w, 1e-6)
+    assert torch.equal(s, h + d)
+    assert rel(y, rms_norm_ref(h + d, w, 1e-6)) < tol
+    for t, n, d, r in [(7, 64, 128, 64), (300, 4, 128, 64), (5, 1, 128, 64), (4, 3, 96, 32)]:
+        wide = torch.randn(t, (n + 2) * d, generator=gen).to(DEV, dtype)
+        x = wide[:, d : (n + 1) * d].view(t, n, d)  # a strided slice, as of a fused projection
+        w = torch.randn(d, generator=gen).to(DEV, dtype)
+        cos, sin = rope_cos_sin(torch.randint(0, 10**6, (t,)).to(DEV), r, 5e6)
+        ref = apply_rope_ref(rms_norm_ref(x, w, 1e-6), cos, sin)
+        assert rel(fused.norm_rope(x, w, 1e-6, cos, sin), ref) < tol
+    pairs = torch.randn(300, 4, 6144, generator=gen).to(DEV)
+    shared = torch.randn(300, 6144, generator=gen).to(DEV, dtype)
+    ref = (pairs.sum(1) * 2.0 + shared.float()).to(dtype)
+    assert rel(fused.moe_combine(pairs, shared, 2.0), ref) < tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,7 +1,9 @@
 """Fused elementwise kernels for the GPU (Triton), each the same function as its reference in
 `m3lm/layers/`: Gemma RMSNorm, partial NeoX RoPE and the clamped SwiGLU. One launch replaces
 the handful of small PyTorch ops of the reference, which matters in a decode step where launches,
-not bytes, dominate. fp32 math throughout; outputs in the input dtype.
+not bytes, dominate, and saves whole passes over [T, C] activations in a prefill. fp32 math
+throughout; every intermediate the reference rounds to the activation dtype is rounded here too,
+so the fused result is the composition of the references; outputs in the input dtype.
 """
 
 from __future__ import annotations
@@ -28,6 +30,106 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     y = torch.empty_like(x)
     _rms_norm_kernel[(x.numel() // n,)](x, weight, y, n, eps, BLOCK=triton.next_power_of_2(n))
+    return y
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    h = tl.load(h_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (h + d).to(s_ptr.dtype.element_ty)  # the residual sum, rounded as `h + d` rounds it
+    tl.store(s_ptr + row * n + offs, s, mask=mask)
+    x = s.to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    tl.store(y_ptr + row * n + offs, (x * inv * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s)) with s = h + delta (h's dtype): a residual add and the next norm in one pass."""
+    h, delta = h.contiguous(), delta.contiguous()
+    n = h.shape[-1]
+    s, y = torch.empty_like(h), torch.empty_like(h)
+    _add_rms_norm_kernel[(h.numel() // n,)](h, delta, weight, s, y, n, eps, BLOCK=triton.next_power_of_2(n))
+    return s, y
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, heads, s_xt, s_xh, eps,
+    D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)  # (token, head) rows
+    row_ok = rows < n_rows
+    t = (rows // heads).to(tl.int64)
+    base = x_ptr + t[:, None] * s_xt + (rows % heads)[:, None] * s_xh  # [BR, 1]
+    offs = tl.arange(0, DP)
+    ok = row_ok[:, None] & (offs[None, :] < D)
+    rot = offs < 2 * HALF
+    first = offs < HALF
+    partner = tl.where(first, offs + HALF, offs - HALF)
+    p_ok = row_ok[:, None] & rot[None, :]
+    x = tl.load(base + offs[None, :], mask=ok, other=0.0).to(tl.float32)  # [BR, DP]
+    xp = tl.load(base + partner[None, :], mask=p_ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [BR]
+    # The per-head norm's output is rounded to the activation dtype before the rotation, as the
+    # reference's two steps round it.
+    y = (x * inv[:, None] * (1.0 + w[None, :])).to(y_ptr.dtype.element_ty).to(tl.float32)
+    yp = (xp * inv[:, None] * (1.0 + wp[None, :])).to(y_ptr.dtype.element_ty).to(tl.float32)
+    j = tl.where(first, offs, offs - HALF)
+    c = tl.load(cos_ptr + t[:, None] * HALF + j[None, :], mask=p_ok, other=1.0)
+    s = tl.load(sin_ptr + t[:, None] * HALF + j[None, :], mask=p_ok, other=0.0)
+    out = tl.where(first[None, :], y * c - yp * s, y * c + yp * s)
+    out = tl.where(rot[None, :], out, y)
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * D + offs[None, :], out.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Per-head RMSNorm (one weight for all heads) then partial RoPE: x [T, n, D] -> [T, n, D] contiguous.
+
+    x may be a strided view (a slice of a wider projection's output); its last dim must be dense.
+    """
+    t, heads, d = x.shape
+    assert x.stride(2) == 1
+    y = torch.empty(t, heads, d, device=x.device, dtype=x.dtype)
+    br = 16
+    _norm_rope_kernel[(triton.cdiv(t * heads, br),)](
+        x, weight, cos.contiguous(), sin.contiguous(), y, t * heads, heads, x.stride(0), x.stride(1), eps,
+        D=d, HALF=cos.shape[-1], DP=triton.next_power_of_2(d), BR=br,
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _moe_combine_kernel(p_ptr, sh_ptr, y_ptr, n, scaling, A: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.load(p_ptr + row * A * n + offs, mask=mask, other=0.0)
+    for a in range(1, A):  # in slot order, as the reference's sum
+        acc += tl.load(p_ptr + (row * A + a) * n + offs, mask=mask, other=0.0)
+    shared = tl.load(sh_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * n + offs, (acc * scaling + shared).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_combine(pairs: torch.Tensor, shared: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(sum_a pairs[:, a] * scaling + shared) in shared's dtype: pairs [T, A, C] fp32 (already
+    weighted by the routing), shared [T, C] -> [T, C]. One pass instead of a sum, a scale, a cast,
+    an add and a cast."""
+    pairs, shared = pairs.contiguous(), shared.contiguous()
+    t, a, n = pairs.shape
+    y = torch.empty_like(shared)
+    block = 1024
+    _moe_combine_kernel[(t, triton.cdiv(n, block))](pairs, shared, y, n, scaling, A=a, BLOCK=block)
     return y
 
 

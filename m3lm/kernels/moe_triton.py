@@ -132,18 +132,32 @@ def route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[
 
 
 @triton.jit
+def grouped_pid(pid, n_programs, N: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of program `pid` in a grouped order: GROUP_M row blocks sweep
+    every column block before the next group starts, so their rows (gathered tokens) and the
+    weight tiles they share are read from HBM about once and then hit in L2."""
+    n_cols = tl.cdiv(N, BN)
+    n_rows = n_programs // n_cols
+    per_group = GROUP_M * n_cols
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(n_rows - first, GROUP_M)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, scale_ptr,
     M, TOP_K,
     s_am, s_we, s_wn, s_cm,
     N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.num_programs(0), N, BN, GROUP_M)
     if pid_m * BM >= tl.load(used_ptr):
         return
-    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if tl.load(sorted_ptr + pid_m * BM) >= M:  # only padding (a group aligned to a larger BLOCK_M)
+        return
+    e = tl.load(expert_ptr + pid_m * BM // ALIGN_M).to(tl.int64)
     pairs = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
     valid = pairs < M
     rows = pairs if PAIR_ROWS else pairs // TOP_K
@@ -175,14 +189,15 @@ def _moe_gate_up_kernel(
     M, TOP_K, alpha, limit,
     s_am, s_we, s_wn, s_hm,
     N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """h[pair] = swiglu(a[token] @ w1[e].T, a[token] @ w3[e].T): both products from one read of a."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.num_programs(0), N, BN, GROUP_M)
     if pid_m * BM >= tl.load(used_ptr):
         return
-    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if tl.load(sorted_ptr + pid_m * BM) >= M:  # only padding (a group aligned to a larger BLOCK_M)
+        return
+    e = tl.load(expert_ptr + pid_m * BM // ALIGN_M).to(tl.int64)
     pairs = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
     valid = pairs < M
     rows = pairs // TOP_K
@@ -215,17 +230,25 @@ def _moe_gate_up_kernel(
 def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tuple]]:
     """((BLOCK_M, tile) of the gate/up kernel, (BLOCK_M, tile) of the down GEMM) for M pairs.
 
-    A tile is (BN, BK, warps, stages). From `benchmarks/moe_configs.py` on the H200 at the
-    release's dimensions: wide K for a few rows (decode reads weights), large tiles for many
-    (prefill multiplies). fp32 (tests, CPU-sized models) takes small tiles that fit in shared memory.
+    A tile is (BN, BK, warps, stages, GROUP_M: row blocks per group of the launch order). From
+    `benchmarks/moe_configs.py` on the H200 at the release's dimensions: wide K for a few rows
+    (decode reads weights), large tiles for many (prefill multiplies). fp32 (tests, CPU-sized
+    models) takes small tiles that fit in shared memory.
     """
     if dtype == torch.float32:
-        return (16, (64, 32, 4, 2)), (16, (64, 32, 4, 2))
+        return (16, (64, 32, 4, 2, 4)), (16, (64, 32, 4, 2, 4))
     if m <= 64:
-        return (16, (128, 128, 4, 3)), (16, (64, 128, 4, 3))
+        return (16, (128, 128, 4, 3, 8)), (16, (64, 128, 4, 3, 8))
     if m <= 1024:
-        return (16, (64, 256, 4, 3)), (16, (128, 128, 4, 3))
-    return (64, (256, 64, 8, 3)), (128, (256, 64, 8, 4))
+        return (16, (64, 256, 4, 3, 8)), (16, (128, 128, 4, 3, 8))
+    return (64, (256, 64, 8, 3, 8)), (128, (256, 64, 8, 4, 8))
+
+
+def _align_m(aligned: tuple, block_m: int) -> int:
+    """The BLOCK_M `aligned` was padded to; a kernel may take it in smaller blocks of `block_m` rows."""
+    align_m = aligned[0].numel() // aligned[1].numel()
+    assert align_m % block_m == 0, (align_m, block_m)
+    return align_m
 
 
 def gate_up(x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config) -> torch.Tensor:
@@ -233,62 +256,60 @@ def gate_up(x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config) -> torc
     sorted_ids, block_expert, used = aligned
     n, kdim = w1.shape[1], w1.shape[2]
     h = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    bn, bk, warps, stages = config
-    _moe_gate_up_kernel[(sorted_ids.numel() // block_m, triton.cdiv(n, bn))](
+    bn, bk, warps, stages, group = config
+    _moe_gate_up_kernel[(sorted_ids.numel() // block_m * triton.cdiv(n, bn),)](
         x, w1, w3, h, sorted_ids, block_expert, used, m, top_k, alpha, limit,
         x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
-        N=n, KDIM=kdim, PREC=precision(x), BM=block_m, BN=bn, BK=bk,
-        num_warps=warps, num_stages=stages,
+        N=n, KDIM=kdim, PREC=precision(x), BM=block_m, BN=bn, BK=bk, ALIGN_M=_align_m(aligned, block_m),
+        GROUP_M=group, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return h
 
 
 def grouped_gemm(
-    a, w, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, block_m=16, config=(64, 128, 4, 3)
+    a,
+    w,
+    m,
+    top_k,
+    aligned,
+    pair_rows: bool,
+    scale=None,
+    out_dtype=None,
+    block_m=16,
+    config=(64, 128, 4, 3, 8),
 ):
     """c[pair] = a[row of pair] @ w[expert of pair].T (times scale[pair]) -> [M, N]."""
     sorted_ids, block_expert, used = aligned
     n, kdim = w.shape[1], w.shape[2]
     c = torch.empty(m, n, device=a.device, dtype=out_dtype or a.dtype)
-    bn, bk, warps, stages = config
-    grid = (sorted_ids.numel() // block_m, triton.cdiv(n, bn))
+    bn, bk, warps, stages, group = config
+    grid = (sorted_ids.numel() // block_m * triton.cdiv(n, bn),)
     _moe_gemm_kernel[grid](
         a, w, c, sorted_ids, block_expert, used, scale if scale is not None else c,
         m, top_k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         N=n, KDIM=kdim, PAIR_ROWS=pair_rows, PREC=precision(a), SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
-        num_warps=warps, num_stages=stages,
+        ALIGN_M=_align_m(aligned, block_m), GROUP_M=group, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return c
 
 
-def moe_experts(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-    alpha: float,
-    limit: float,
-) -> torch.Tensor:
-    """Same contract as `moe_experts_ref`: sum_a weights[t, a] * expert_{ids[t, a]}(x[t]) -> [T, C] fp32."""
+def moe_pairs(x, weights, ids, w1, w3, w2, alpha: float, limit: float) -> torch.Tensor:
+    """weights[t, a] * expert_{ids[t, a]}(x[t]) for every token-expert pair -> [T, A, C] fp32.
+
+    One alignment serves both GEMMs: groups are padded to the larger BLOCK_M, and the kernel with
+    the smaller one skips its blocks that hold only padding.
+    """
     t, a = ids.shape
     (up_m, up_cfg), (down_m, down_cfg) = tiles(t * a, x.dtype)
-    aligned = align(ids, w1.shape[0], up_m)
+    aligned = align(ids, w1.shape[0], max(up_m, down_m))
     h = gate_up(x.contiguous(), w1, w3, t * a, a, aligned, alpha, limit, up_m, up_cfg)  # [M, I]
-    if down_m != up_m:
-        aligned = align(ids, w1.shape[0], down_m)
     scale = weights.flatten().float().contiguous()
     down = grouped_gemm(
-        h,
-        w2,
-        t * a,
-        a,
-        aligned,
-        pair_rows=True,
-        scale=scale,
-        out_dtype=torch.float32,
-        block_m=down_m,
-        config=down_cfg,
-    )
-    return down.view(t, a, -1).sum(1)  # [T, C]
+        h, w2, t * a, a, aligned, pair_rows=True, scale=scale, out_dtype=torch.float32, block_m=down_m, config=down_cfg
+    )  # fmt: skip
+    return down.view(t, a, -1)
+
+
+def moe_experts(x, weights, ids, w1, w3, w2, alpha: float, limit: float) -> torch.Tensor:
+    """Same contract as `moe_experts_ref`: sum_a weights[t, a] * expert_{ids[t, a]}(x[t]) -> [T, C] fp32."""
+    return moe_pairs(x, weights, ids, w1, w3, w2, alpha, limit).sum(1)

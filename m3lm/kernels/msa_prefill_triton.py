@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3lm.kernels.host import interpreted, precision
-from m3lm.kernels.msa import select_blocks_ref
+from m3lm.kernels.host import interpreted, pad, precision
 
 ROWS = 64  # query rows (queries x heads of a group) per program
 _NONE = 1 << 30  # padding of the union lists
@@ -119,12 +118,53 @@ def _prefill_kernel(
     )
 
 
-def tile_blocks(block_ids: torch.Tensor, bq: int) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _tile_blocks_kernel(
+    sel_ptr, blocks_ptr, count_ptr, t_len, n_blocks, s_sk, s_st, s_bk, s_bt, s_ck,
+    BQ: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, CH: tl.constexpr, N_CHUNKS: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kh = tl.program_id(1)
+    rows = tl.arange(0, BQ * KP)  # (query, slot) pairs of the tile
+    t = tile * BQ + rows // KP
+    slot = rows % KP
+    sel = tl.load(sel_ptr + kh * s_sk + t * s_st + slot, mask=(t < t_len) & (slot < TOPK), other=-1)
+    count = 0
+    for c in range(N_CHUNKS):  # blocks c*CH .. c*CH+CH-1: which of them some query of the tile chose
+        ids = c * CH + tl.arange(0, CH)
+        present = tl.max((sel[:, None] == ids[None, :]).to(tl.int32), axis=0)  # [CH]
+        at = count + tl.cumsum(present, axis=0) - 1  # ascending positions in the union list
+        tl.store(blocks_ptr + kh * s_bk + tile * s_bt + at, ids, mask=(present > 0) & (ids < n_blocks))
+        count += tl.sum(present, axis=0)
+    tl.store(count_ptr + kh * s_ck + tile, count)
+
+
+def tile_blocks(
+    block_ids: torch.Tensor, bq: int, n_blocks: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The union of the selected blocks of each tile of `bq` queries, per group.
 
     block_ids [K, T, k] (-1 = unused) -> (blocks [K, NT, U] int32 ascending, padded with a large
-    id; count [K, NT] int32). No host synchronisation.
+    id; count [K, NT] int32). No host synchronisation. Given `n_blocks` (ids are below it), one
+    Triton launch; else `tile_blocks_ref`'s sorts.
     """
+    if n_blocks is None or not (block_ids.is_cuda or interpreted()):
+        return tile_blocks_ref(block_ids, bq)
+    kh, t, k = block_ids.shape
+    nt = -(-t // bq)
+    sel = block_ids.to(torch.int32).contiguous()
+    blocks = torch.full((kh, nt, bq * k), _NONE, device=sel.device, dtype=torch.int32)
+    count = torch.empty(kh, nt, device=sel.device, dtype=torch.int32)
+    ch = 256
+    _tile_blocks_kernel[(nt, kh)](
+        sel, blocks, count, t, n_blocks, sel.stride(0), sel.stride(1), blocks.stride(0), blocks.stride(1),
+        count.stride(0), BQ=bq, TOPK=k, KP=pad(k), CH=ch, N_CHUNKS=triton.cdiv(n_blocks, ch),
+    )  # fmt: skip
+    return blocks, count
+
+
+def tile_blocks_ref(block_ids: torch.Tensor, bq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tile_blocks` with PyTorch sorts."""
     kh, t, k = block_ids.shape
     nt = -(-t // bq)
     ids = torch.nn.functional.pad(block_ids, (0, 0, 0, nt * bq - t), value=-1).reshape(kh, nt, bq * k)
@@ -165,7 +205,7 @@ def msa_prefill_attention(
     sparse = block_ids is not None
     if sparse:
         sel = block_ids.to(torch.int32).contiguous()
-        blocks, count = tile_blocks(sel, bq)
+        blocks, count = tile_blocks(sel, bq, triton.cdiv(tk, block_size))
         topk, max_iters = sel.shape[-1], blocks.shape[-1]
     else:
         sel = blocks = count = q  # unused pointers
@@ -254,6 +294,59 @@ def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, first_pos: int, block
     return out
 
 
+@triton.jit
+def _select_kernel(
+    scores_ptr, out_ptr, first_pos, t_len, n_blocks, local, init, s_sk, s_st, s_ok, s_ot,
+    S: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
+    """`select_blocks_ref` for BT consecutive queries of one group: top-k by repeated argmax."""
+    tile = tl.program_id(0)
+    kh = tl.program_id(1)
+    t = tile * BT + tl.arange(0, BT)
+    row_ok = t < t_len
+    qb = (first_pos + t) // S  # [BT] each query's own block
+    ids = tl.arange(0, NP)
+    visible = (ids[None, :] <= qb[:, None]) & (ids[None, :] < n_blocks) & row_ok[:, None]  # [BT, NP]
+    score = tl.load(scores_ptr + kh * s_sk + t[:, None] * s_st + ids[None, :], mask=visible, other=0.0)
+    forced = (ids[None, :] > qb[:, None] - local) | (ids[None, :] < init)
+    key = tl.where(visible, tl.where(forced, float("inf"), score), float("-inf"))
+    taken = tl.zeros([BT, NP], tl.int32)
+    for i in range(TOPK):  # the best remaining block of each query; ties to the lower id
+        best = tl.argmax(key, axis=1, tie_break_left=True)  # [BT]
+        hit = (ids[None, :] == best[:, None]) & (i <= qb[:, None])  # only while blocks are left
+        taken = tl.where(hit, 1, taken)
+        key = tl.where(hit, float("-inf"), key)
+    slots = tl.arange(0, KP)
+    out = out_ptr + kh * s_ok + t * s_ot
+    tl.store(
+        out[:, None] + slots[None, :],
+        tl.full([BT, KP], -1, tl.int32),
+        mask=row_ok[:, None] & (slots[None, :] < TOPK),
+    )
+    tl.debug_barrier()
+    at = tl.cumsum(taken, axis=1) - 1  # ascending: a block's place among the query's chosen ones
+    tl.store(
+        out[:, None] + at, ids[None, :] + tl.zeros([BT, NP], tl.int32), mask=(taken > 0) & row_ok[:, None]
+    )
+
+
+def select_blocks(
+    scores: torch.Tensor, first_pos: int, block_size: int, topk: int, local: int, init: int
+) -> torch.Tensor:
+    """`msa.select_blocks_ref` for queries at consecutive positions from `first_pos`, one launch:
+    scores [K, T, N] -> block ids [K, T, k] ascending, -1 in unused slots."""
+    kh, t_len, n_blocks = scores.shape
+    out = torch.empty(kh, t_len, topk, device=scores.device, dtype=torch.int32)
+    np_ = pad(n_blocks)
+    bt = max(1, min(32, 2048 // np_))
+    _select_kernel[(triton.cdiv(t_len, bt), kh)](
+        scores, out, first_pos, t_len, n_blocks, local, init, scores.stride(0), scores.stride(1),
+        out.stride(0), out.stride(1), S=block_size, TOPK=topk, KP=pad(topk), NP=np_, BT=bt,
+        num_warps=4 if np_ * bt <= 4096 else 8,
+    )  # fmt: skip
+    return out
+
+
 def msa_select(
     iq: torch.Tensor,
     ik: torch.Tensor,
@@ -273,5 +366,5 @@ def msa_select(
     out = []
     for s in range(0, iq.shape[0], step):
         scores = index_block_scores(iq[s : s + step], ik, first + s, block_size)  # [K, Tc, N]
-        out.append(select_blocks_ref(scores, q_pos[s : s + step], block_size, topk, local, init))
-    return torch.cat(out, dim=1)
+        out.append(select_blocks(scores, first + s, block_size, topk, local, init))  # [K, Tc, k]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)

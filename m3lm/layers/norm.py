@@ -21,6 +21,18 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return (y * (1.0 + weight.float())).to(x.dtype)
 
 
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the norm that follows it: (h + delta, rms_norm(h + delta)); one GPU pass."""
+    if h.is_cuda:
+        from m3lm.kernels import fused
+
+        return fused.add_rms_norm(h, delta, weight, eps)
+    s = h + delta
+    return s, rms_norm_ref(s, weight, eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
         super().__init__()

@@ -30,6 +30,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return apply_rope_ref(x, cos, sin)
 
 
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Per-head RMSNorm of x [T, n, D] (one weight [D] for every head), then partial RoPE; one GPU pass."""
+    if x.is_cuda:
+        from m3lm.kernels import fused
+
+        return fused.norm_rope(x, weight, eps, cos, sin)
+    from m3lm.layers.norm import rms_norm_ref
+
+    return apply_rope_ref(rms_norm_ref(x, weight, eps), cos, sin)
+
+
 def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = cos.shape[-1]
     cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R/2]

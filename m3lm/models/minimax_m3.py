@@ -27,8 +27,8 @@ from m3lm.kernels.msa import msa_attention_ref, msa_attention_sdpa, msa_select_r
 from m3lm.layers.linear import fp8_parameter, to_mxfp8_
 from m3lm.layers.mlp import MLP
 from m3lm.layers.moe import route
-from m3lm.layers.norm import RMSNorm
-from m3lm.layers.rotary import apply_rope, rope_cos_sin
+from m3lm.layers.norm import RMSNorm, add_rms_norm
+from m3lm.layers.rotary import norm_rope, rope_cos_sin
 
 
 def _attention(q, k, v, pos, scale, block_ids=None, block_size=0, first: int | None = None) -> torch.Tensor:
@@ -91,18 +91,23 @@ class Attention(nn.Module):
                 args.index_init_blocks,
             )
 
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """x [T, C] -> q [T, H, D], k and v [T, K, D] and, on sparse layers, index queries
+        [T, K, Di] and keys [T, Di] (else None): projections, per-head norms and RoPE."""
+        t, eps = x.shape[0], self.q_norm.eps
+        q = norm_rope(self.q_proj(x).view(t, self.n_heads, -1), self.q_norm.weight, eps, cos, sin)
+        k = norm_rope(self.k_proj(x).view(t, self.n_kv, -1), self.k_norm.weight, eps, cos, sin)
+        v = self.v_proj(x).view(t, self.n_kv, -1)
+        if not self.sparse:
+            return q, k, v, None, None
+        iq = norm_rope(self.index_q_proj(x).view(t, self.n_kv, -1), self.index_q_norm.weight, eps, cos, sin)
+        ik = norm_rope(self.index_k_proj(x).view(t, 1, -1), self.index_k_norm.weight, eps, cos, sin)[:, 0]
+        return q, k, v, iq, ik
+
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.n_heads, -1)), cos, sin)  # [T, H, D]
-        k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.n_kv, -1)), cos, sin)  # [T, K, D]
-        v = self.v_proj(x).view(t, self.n_kv, -1)  # [T, K, D]
-        if self.sparse:
-            iq = apply_rope(
-                self.index_q_norm(self.index_q_proj(x).view(t, self.n_kv, -1)), cos, sin
-            )  # [T, K, Di]
-            ik = apply_rope(self.index_k_norm(self.index_k_proj(x).view(t, 1, -1)), cos, sin)[:, 0]  # [T, Di]
+        q, k, v, iq, ik = self._project(x, cos, sin)
         outs, start = [], 0
         for seq, n in enumerate(batch.q_lens):
             rows = slice(start, start + n)
@@ -143,19 +148,12 @@ class Attention(nn.Module):
         """One new token per sequence over the paged caches (GPU kernels; no host sync): [B, C] -> [B, C]."""
         from m3lm.kernels import msa_triton
 
-        b = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(b, self.n_heads, -1)), cos, sin)  # [B, H, D]
-        k = apply_rope(self.k_norm(self.k_proj(x).view(b, self.n_kv, -1)), cos, sin)  # [B, K, D]
-        v = self.v_proj(x).view(b, self.n_kv, -1)
+        q, k, v, iq, ik = self._project(x, cos, sin)
         cache, layer = dec.cache, self.layer_idx
         cache.k[layer][dec.pages, dec.slots] = k.to(cache.k[layer].dtype)
         cache.v[layer][dec.pages, dec.slots] = v.to(cache.v[layer].dtype)
         block_ids = None
         if self.sparse:
-            iq = apply_rope(
-                self.index_q_norm(self.index_q_proj(x).view(b, self.n_kv, -1)), cos, sin
-            )  # [B, K, Di]
-            ik = apply_rope(self.index_k_norm(self.index_k_proj(x).view(b, 1, -1)), cos, sin)[:, 0]  # [B, Di]
             cache.write_index(layer, dec.pages, dec.slots, ik)
             scale = cache.ik_scale.get(layer)  # per-position scales of fp8 index keys, else None
             scores = msa_triton.index_block_scores(
@@ -225,12 +223,22 @@ class MoE(nn.Module):
         logits = nn.functional.linear(x.float(), self.gate.weight)  # [T, E] fp32
         weights, ids = route(logits, self.e_score_correction_bias, self.top_k)  # [T, A]
         ex = self.experts
-        if ex.w1.dtype == torch.float8_e4m3fn:  # weight-only FP8 experts (dequantised on the CPU)
+        fp8 = ex.w1.dtype == torch.float8_e4m3fn  # weight-only FP8 experts (dequantised on the CPU)
+        if fp8:
             experts, stacked = moe_experts_mxfp8, (ex.w1, ex.w1_scale, ex.w3, ex.w3_scale, ex.w2, ex.w2_scale)
         else:
             experts, stacked = moe_experts_ref, (ex.w1, ex.w3, ex.w2)
-            if x.is_cuda:  # the Triton grouped GEMM; imported here so CPU installs need no Triton
-                from m3lm.kernels.moe_triton import moe_experts as experts
+        if x.is_cuda and not ex.partitioned and not fp8:
+            # Triton (imported here so CPU installs need no Triton): the grouped GEMMs leave one
+            # weighted output per token-expert pair; one pass sums them, scales, adds the shared
+            # expert and casts.
+            from m3lm.kernels.fused import moe_combine
+            from m3lm.kernels.moe_triton import moe_pairs
+
+            pairs = moe_pairs(x, weights, ids, *stacked, self.alpha, self.limit)  # [T, A, C] fp32
+            return moe_combine(pairs, self.shared_experts(x), self.scaling)
+        if x.is_cuda and not fp8:
+            from m3lm.kernels.moe_triton import moe_experts as experts
         if ex.partitioned:
             routed = _local_experts(experts, x, weights, ids, ex.first, stacked, self.alpha, self.limit)
         else:
@@ -257,17 +265,52 @@ class DecoderLayer(nn.Module):
             )  # fmt: skip
 
     def forward(
-        self, h: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+        self,
+        h: torch.Tensor,
+        pending: torch.Tensor | None,
+        batch: ForwardBatch,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream h [T, C], the previous layer's output not yet added to it, or None)
+        -> (h, this layer's MLP/MoE output, not yet added): each residual add is done together
+        with the norm that follows it (`add_norm`)."""
+        h, x = add_norm(h, pending, self.input_layernorm)
         # Under tensor parallelism both branches return partial sums over this rank's heads/width.
-        h = h + all_reduce(self.self_attn(self.input_layernorm(h), batch, cos, sin), self.parallel)
-        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return h + all_reduce(ffn(self.post_attention_layernorm(h)), self.parallel)
+        h, x = add_norm(
+            h, all_reduce(self.self_attn(x, batch, cos, sin), self.parallel), self.post_attention_layernorm
+        )
+        return h, all_reduce(self.ffn(x), self.parallel)
 
-    def decode(self, h: torch.Tensor, dec: DecodeBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + all_reduce(self.self_attn.decode(self.input_layernorm(h), dec, cos, sin), self.parallel)
-        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return h + all_reduce(ffn(self.post_attention_layernorm(h)), self.parallel)
+    def decode(
+        self,
+        h: torch.Tensor,
+        pending: torch.Tensor | None,
+        dec: DecodeBatch,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for one new token per sequence over the paged caches."""
+        h, x = add_norm(h, pending, self.input_layernorm)
+        h, x = add_norm(
+            h,
+            all_reduce(self.self_attn.decode(x, dec, cos, sin), self.parallel),
+            self.post_attention_layernorm,
+        )
+        return h, all_reduce(self.ffn(x), self.parallel)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+
+def add_norm(
+    h: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + pending, norm(h + pending)), or (h, norm(h)) when nothing is pending."""
+    if pending is None:
+        return h, norm(h)
+    return add_rms_norm(h, pending, norm.weight, norm.eps)
 
 
 class Decoder(nn.Module):
@@ -348,13 +391,15 @@ class MiniMaxM3(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens [T] -> fp32 logits [T, V], or only at `logits_rows` [R] -> [R, V]."""
         a = self.args
-        h = self.model.embed(tokens)  # [T, C], no embedding scaling
+        h, pending = self.model.embed(tokens), None  # [T, C], no embedding scaling
         cos, sin = rope_cos_sin(batch.positions, a.rotary_dim, a.rope_theta)  # [T, R/2] fp32
         for layer in self.model.layers:
-            h = layer(h, batch, cos, sin)
+            h, pending = layer(h, pending, batch, cos, sin)
         if logits_rows is not None:
-            h = h[logits_rows]
-        return all_gather(self.lm_head(self.model.norm(h)).float(), self.parallel)  # [T, V]
+            h, pending = h[logits_rows], None if pending is None else pending[logits_rows]
+        return all_gather(
+            self.lm_head(add_norm(h, pending, self.model.norm)[1]).float(), self.parallel
+        )  # [T, V]
 
     def decode(self, tokens: torch.Tensor, dec: DecodeBatch) -> torch.Tensor:
         """One decode step for B sequences on the GPU: tokens [B] at dec.positions -> fp32 logits [B, V].
@@ -362,11 +407,13 @@ class MiniMaxM3(nn.Module):
         Static shapes and no host synchronisation, so a step can be captured in a CUDA graph.
         """
         a = self.args
-        h = self.model.embed(tokens)  # [B, C]
+        h, pending = self.model.embed(tokens), None  # [B, C]
         cos, sin = rope_cos_sin(dec.positions, a.rotary_dim, a.rope_theta)
         for layer in self.model.layers:
-            h = layer.decode(h, dec, cos, sin)
-        return all_gather(self.lm_head(self.model.norm(h)).float(), self.parallel)  # [T, V]
+            h, pending = layer.decode(h, pending, dec, cos, sin)
+        return all_gather(
+            self.lm_head(add_norm(h, pending, self.model.norm)[1]).float(), self.parallel
+        )  # [B, V]
 
 
 MXFP8_LINEARS = (
