@@ -2,13 +2,14 @@
 
 Times `msa_prefill_attention` under each (query rows per program, warps, stages) for the
 selections `m3lm bench --attention` uses, and prints each case's best. The winner becomes the
-kernel's default. Run: `PYTHONPATH=. python3 benchmarks/prefill_configs.py`.
+kernel's default. Run: `PYTHONPATH=. python3 benchmarks/prefill_configs.py [LENGTH:KIND ...]`.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import sys
 
 import torch
 import triton
@@ -17,14 +18,18 @@ from m3lm.bench import build_slice
 from m3lm.bench_attention import selection
 from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
 
-CONFIGS = list(itertools.product((64, 128), (4, 8), (2, 3)))
+CONFIGS = [*itertools.product((32,), (2, 4), (3, 4)), *itertools.product((64, 128), (4, 8), (2, 3))]
 
 
 def main() -> None:
     a = build_slice(1).args  # dimensions only
     h, k, d, s = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.index_block_size
     gen = torch.Generator(device="cuda").manual_seed(3)
-    for length, kind in ((8192, "random"), (65536, "drift"), (65536, "random")):
+    cases = ((8192, "random"), (65536, "drift"), (65536, "random"))
+    only = sys.argv[1:]  # e.g. 8192:random (default: every case)
+    for length, kind in cases:
+        if only and f"{length}:{kind}" not in only:
+            continue
         q = torch.randn(length, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         kk, vv = (
             torch.randn(length, k, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2)
