@@ -204,6 +204,12 @@ def elementwise_kernels():
     )
     pairs, shared = torch.randn(6, 4, 1500), torch.randn(6, 1500)
     close(fused.moe_combine(pairs, shared, 2.0), pairs.sum(1) * 2.0 + shared)
+    rows, weights = torch.randperm(24).view(6, 4), torch.rand(6, 4)  # pairs in expert order, unweighted
+    flat = pairs.view(24, 1500)
+    close(
+        fused.moe_combine(flat, shared, 2.0, rows, weights),
+        (flat[rows] * weights[..., None]).sum(1) * 2.0 + shared,
+    )
 
 
 if __name__ == "__main__":

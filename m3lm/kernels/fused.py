@@ -110,26 +110,48 @@ def norm_rope(
 
 
 @triton.jit
-def _moe_combine_kernel(p_ptr, sh_ptr, y_ptr, n, scaling, A: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _moe_combine_kernel(
+    p_ptr, row_ptr, w_ptr, sh_ptr, y_ptr, n, scaling,
+    A: tl.constexpr, ROWS: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    acc = tl.load(p_ptr + row * A * n + offs, mask=mask, other=0.0)
-    for a in range(1, A):  # in slot order, as the reference's sum
-        acc += tl.load(p_ptr + (row * A + a) * n + offs, mask=mask, other=0.0)
-    shared = tl.load(sh_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * n + offs, (acc * scaling + shared).to(y_ptr.dtype.element_ty), mask=mask)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for a in range(A):  # in slot order, as the reference's sum
+        row = t * A + a
+        if ROWS:
+            row = tl.load(row_ptr + row).to(tl.int64)
+        y = tl.load(p_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
+        if WEIGHTS:
+            y = y * tl.load(w_ptr + t * A + a)
+        acc += y
+    shared = tl.load(sh_ptr + t * n + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * n + offs, (acc * scaling + shared).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def moe_combine(pairs: torch.Tensor, shared: torch.Tensor, scaling: float) -> torch.Tensor:
-    """(sum_a pairs[:, a] * scaling + shared) in shared's dtype: pairs [T, A, C] fp32 (already
-    weighted by the routing), shared [T, C] -> [T, C]. One pass instead of a sum, a scale, a cast,
-    an add and a cast."""
+def moe_combine(
+    pairs: torch.Tensor,
+    shared: torch.Tensor,
+    scaling: float,
+    rows: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sum_a w[t, a] * pairs[row(t, a)] * scaling + shared[t], in shared's dtype, summed in fp32.
+
+    pairs [T, A, C] in pair order (row(t, a) = t*A + a), or [M, C] with `rows` [T, A] giving each
+    pair's row; `weights` [T, A] fp32 when the pairs are not weighted yet. One pass instead of a
+    sum, a scale, a cast, an add and a cast.
+    """
+    t, n = shared.shape
+    a = pairs.shape[1] if rows is None else rows.shape[1]
     pairs, shared = pairs.contiguous(), shared.contiguous()
-    t, a, n = pairs.shape
     y = torch.empty_like(shared)
     block = 1024
-    _moe_combine_kernel[(t, triton.cdiv(n, block))](pairs, shared, y, n, scaling, A=a, BLOCK=block)
+    _moe_combine_kernel[(t, triton.cdiv(n, block))](
+        pairs, rows.contiguous() if rows is not None else y, weights.float().contiguous() if weights is not None else y,
+        shared, y, n, scaling, A=a, ROWS=rows is not None, WEIGHTS=weights is not None, BLOCK=block,
+    )  # fmt: skip
     return y
 
 

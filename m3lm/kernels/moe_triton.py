@@ -241,7 +241,7 @@ def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tup
         return (16, (128, 128, 4, 3, 8)), (16, (64, 128, 4, 3, 8))
     if m <= 1024:
         return (16, (64, 256, 4, 3, 8)), (16, (128, 128, 4, 3, 8))
-    return (64, (256, 64, 8, 3, 8)), (128, (256, 64, 8, 4, 8))
+    return (128, (128, 64, 8, 4, 8)), (128, (256, 64, 8, 4, 8))
 
 
 def _align_m(aligned: tuple, block_m: int) -> int:

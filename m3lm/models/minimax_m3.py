@@ -125,7 +125,7 @@ class Attention(nn.Module):
                 # Index keys join the cache before scoring, so a query sees its own key.
                 iks = batch.kv.update_index(self.layer_idx, seq, iks)  # [Tk, Di]
             outs.append(self._sparse(q[rows], ks, vs, pos, first, iq[rows], iks, batch.msa_dense_window))
-        return self.o_proj(torch.cat(outs).flatten(1))  # [T, C]
+        return self.o_proj((outs[0] if len(outs) == 1 else torch.cat(outs)).flatten(1))  # [T, C]
 
     def _sparse(self, q, k, v, pos, first: int, iq, ik, dense_window: float | None) -> torch.Tensor:
         """MSA for one sequence's queries at consecutive positions from `first`.
@@ -232,10 +232,14 @@ class MoE(nn.Module):
             # Triton (imported here so CPU installs need no Triton): the grouped GEMMs leave one
             # weighted output per token-expert pair; one pass sums them, scales, adds the shared
             # expert and casts.
+            from m3lm.kernels import moe_grouped
             from m3lm.kernels.fused import moe_combine
             from m3lm.kernels.moe_triton import moe_pairs
 
-            pairs = moe_pairs(x, weights, ids, *stacked, self.alpha, self.limit)  # [T, A, C] fp32
+            if ids.numel() >= moe_grouped.MIN_PAIRS and moe_grouped.available(x):  # long prefills
+                y, rows = moe_grouped.moe_sorted(x, ids, *stacked, self.alpha, self.limit)  # [M, C], [T, A]
+                return moe_combine(y, self.shared_experts(x), self.scaling, rows, weights)
+            pairs = moe_pairs(x, weights, ids, *stacked, self.alpha, self.limit)  # [T, A, C] fp32, weighted
             return moe_combine(pairs, self.shared_experts(x), self.scaling)
         if x.is_cuda and not fp8:
             from m3lm.kernels.moe_triton import moe_experts as experts
