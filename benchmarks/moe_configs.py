@@ -3,8 +3,7 @@
 For several token counts, times the fused gate/up + SwiGLU kernel (N = I, K = C) and the down
 GEMM (N = C, K = I) under each tile configuration and BLOCK_M, and prints the best, with the
 bandwidth it reaches on the expert weights it must read and its arithmetic rate. The winners
-go into `moe_triton.tiles`. Run: `PYTHONPATH=. python3 benchmarks/moe_configs.py [T ...]`;
-with `--whole`, the whole MoE on the fused kernels against the grouped GEMM (`moe_grouped`).
+go into `moe_triton.tiles`. Run: `PYTHONPATH=. python3 benchmarks/moe_configs.py [T ...]`.
 """
 
 from __future__ import annotations
@@ -16,10 +15,7 @@ import sys
 import torch
 import triton
 
-from m3lm.kernels import moe_grouped
-from m3lm.kernels.fused import moe_combine
-from m3lm.kernels.moe_triton import align, gate_up, grouped_gemm, moe_pairs
-from m3lm.layers.moe import route
+from m3lm.kernels.moe_triton import align, gate_up, grouped_gemm
 
 SPACE = {  # T: (BLOCK_M choices, BN, BK, warps, stages, GROUP_M)
     1: ((16,), (64, 128), (128, 256), (4,), (3, 4), (8,)),
@@ -28,41 +24,7 @@ SPACE = {  # T: (BLOCK_M choices, BN, BK, warps, stages, GROUP_M)
 }
 
 
-def whole() -> None:
-    """The whole routed MoE (gate/up, down, weighted sum with the shared output) per token count:
-    the fused Triton kernels against PyTorch's grouped GEMM; sets `moe_grouped.MIN_PAIRS`."""
-    e, c, i, a = 128, 6144, 3072, 4
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w1, w3 = (
-        torch.randn(e, i, c, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(2)
-    )
-    w2 = torch.randn(e, c, i, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-    for t in (256, 512, 1024, 2048, 4096, 8192):
-        x = torch.randn(t, c, device="cuda", dtype=torch.bfloat16, generator=gen)
-        shared = torch.randn(t, c, device="cuda", dtype=torch.bfloat16, generator=gen)
-        weights, ids = route(
-            torch.randn(t, e, device="cuda", generator=gen), torch.zeros(e, device="cuda"), a
-        )
-
-        def fused():
-            moe_combine(moe_pairs(x, weights, ids, w1, w3, w2, 1.702, 7.0), shared, 2.0)  # noqa: B023
-
-        def grouped():
-            y, rows = moe_grouped.moe_sorted(x, ids, w1, w3, w2, 1.702, 7.0)  # noqa: B023
-            moe_combine(y, shared, 2.0, rows, weights)  # noqa: B023
-
-        ms = [triton.testing.do_bench(f, warmup=5, rep=30, return_mode="median") for f in (fused, grouped)]
-        flops = 3 * 2 * t * a * i * c
-        print(
-            f"T={t:5d} ({t * a} pairs): fused Triton {ms[0]:.3f} ms ({flops / ms[0] / 1e9:.0f} TFLOP/s), "
-            f"grouped GEMM {ms[1]:.3f} ms ({flops / ms[1] / 1e9:.0f} TFLOP/s)",
-            flush=True,
-        )
-
-
 def main() -> None:
-    if sys.argv[1:] == ["--whole"]:
-        return whole()
     only = {int(t) for t in sys.argv[1:]}  # token counts to sweep (default: all)
     e, c, i, a = 128, 6144, 3072, 4
     gen = torch.Generator(device="cuda").manual_seed(0)

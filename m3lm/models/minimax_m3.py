@@ -232,13 +232,9 @@ class MoE(nn.Module):
             # Triton (imported here so CPU installs need no Triton): the grouped GEMMs leave one
             # weighted output per token-expert pair; one pass sums them, scales, adds the shared
             # expert and casts.
-            from m3lm.kernels import moe_grouped
             from m3lm.kernels.fused import moe_combine
             from m3lm.kernels.moe_triton import moe_pairs
 
-            if ids.numel() >= moe_grouped.MIN_PAIRS and moe_grouped.available(x):  # long prefills
-                y, rows = moe_grouped.moe_sorted(x, ids, *stacked, self.alpha, self.limit)  # [M, C], [T, A]
-                return moe_combine(y, self.shared_experts(x), self.scaling, rows, weights)
             pairs = moe_pairs(x, weights, ids, *stacked, self.alpha, self.limit)  # [T, A, C] fp32, weighted
             return moe_combine(pairs, self.shared_experts(x), self.scaling)
         if x.is_cuda and not fp8:
