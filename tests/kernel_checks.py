@@ -12,9 +12,9 @@ import torch
 
 from m3lm.kernels import fused, moe_triton, msa_triton
 from m3lm.kernels.fp8 import dequant_mxfp8, dequant_rows_fp8, quantize_mxfp8, quantize_rows_fp8
-from m3lm.kernels.fp8_triton import mxfp8_matmul
+from m3lm.kernels.fp8_triton import Config, mxfp8_matmul, pack_gate_up
 from m3lm.kernels.moe import moe_experts_ref
-from m3lm.kernels.moe_fp8_triton import moe_experts_fp8
+from m3lm.kernels.moe_fp8_triton import moe_experts_fp8, moe_pairs_fp8
 from m3lm.kernels.moe_triton import moe_experts
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
 from m3lm.kernels.msa_prefill_triton import (
@@ -146,30 +146,69 @@ def routing_kernels():
             assert torch.equal(got, want), (got, want)
 
 
+def mxfp8_weight(*shape, std=0.1):
+    """A quantised weight whose rows hold 32-blocks of different exponents."""
+    q, s = quantize_mxfp8(torch.randn(*shape) * std)
+    s[..., 0, -1] += 3
+    s[..., -1, 0] -= 2
+    return q, s
+
+
+def moe_pairs_ref(x, weights, ids, w1, w3, w2, alpha, limit):
+    """weights[t, a] * expert_{ids[t, a]}(x[t]) -> [T, A, C], not summed over A."""
+    gate, up = (torch.einsum("tc,taic->tai", x, w[ids]) for w in (w1, w3))
+    return weights[..., None] * torch.einsum("tai,taci->tac", swiglu_oai_ref(gate, up, alpha, limit), w2[ids])
+
+
 def fp8_kernels():
     """Weight-only FP8 kernels against matmuls on the dequantised weights (fp32 activations: the
     interpreter's bf16 dot is not usable; the GPU tests cover bf16)."""
-    for t, o, k, config in [
+    gemv = [  # (kernel, O, In, BN, BK): O not a multiple of BN; In a multiple of 32, not of BK
+        ("gemv", 40, 96, 16, 64),
+        ("gemv", 24, 256, 8, 128),
+        ("gemv", 7, 64, 2, 64),
+        ("gemv_tc", 40, 160, 16, 64),
+        ("gemv_tc", 48, 128, 32, 128),
+    ]
+    cases = [
         (1, 48, 64, None),
         (5, 40, 96, None),
         (40, 70, 128, None),
-        (3, 24, 256, (16, 16, 64, 4, 1)),
-    ]:
-        q, s = quantize_mxfp8(torch.randn(o, k) * 0.1)
-        s[0, -1] += 3  # blocks of one row with different exponents
+        (3, 24, 256, Config("tile", 16, 64, 4, 1)),
+    ]
+    cases += [(t, 40, 96, None) for t in (1, 2, 16)]  # the default GEMV tiles
+    cases += [(t, o, k, Config(kind, bn, bk, 4, 1)) for t in (1, 2, 16) for kind, o, k, bn, bk in gemv]
+    for t, o, k, config in cases:
+        q, s = mxfp8_weight(o, k)
         x = torch.randn(t, k)
         close(mxfp8_matmul(x, q, s, config), x @ dequant_mxfp8(q, s).T)
+    for t, config in [
+        (1, None),
+        (2, Config("gemv", 8, 64, 4, 1)),
+        (16, Config("gemv_tc", 16, 64, 4, 1)),
+        (20, Config("tile", 16, 64, 4, 1)),
+    ]:  # gate and up packed, swiglu(gate, up) out: gates past the limit and both signs of up
+        (q1, s1), (q3, s3) = mxfp8_weight(40, 96, std=0.15), mxfp8_weight(40, 96, std=0.15)
+        x = torch.randn(t, 96) * 2
+        ref = swiglu_oai_ref(x @ dequant_mxfp8(q1, s1).T, x @ dequant_mxfp8(q3, s3).T, 1.702, 7.0)
+        close(mxfp8_matmul(x, *pack_gate_up(q1, s1, q3, s3), config, act="swiglu"), ref)
     for t, e, a, c, i in [(1, 8, 2, 64, 32), (9, 6, 3, 96, 64), (40, 8, 2, 64, 32)]:
         x = torch.randn(t, c)
-        w1, w3, w2 = (
-            quantize_mxfp8(torch.randn(*shape) * 0.1) for shape in ((e, i, c), (e, i, c), (e, c, i))
-        )
+        w1, w3, w2 = (mxfp8_weight(*shape) for shape in ((e, i, c), (e, i, c), (e, c, i)))
         weights, ids = route(torch.randn(t, e), torch.zeros(e), a)
         deq = [dequant_mxfp8(*w) for w in (w1, w3, w2)]
         close(
             moe_experts_fp8(x, weights, ids, *w1, *w3, *w2, 1.702, 7.0),
             moe_experts_ref(x, weights, ids, *deq, 1.702, 7.0),
         )
+        for configs in [  # the weight on the tensor cores' wide side; BLOCK_M 32 for the down GEMM
+            ((16, (32, 32, 4, 1, True)), (32, (16, 64, 4, 1, True))),
+            ((16, (16, 64, 4, 1, False)), (16, (32, 32, 4, 1, True))),
+        ]:
+            close(
+                moe_pairs_fp8(x, weights, ids, *w1, *w3, *w2, 1.702, 7.0, configs),
+                moe_pairs_ref(x, weights, ids, *deq, 1.702, 7.0),
+            )
     lens = torch.tensor([5, 30], dtype=torch.int32)
     ikq, iks = quantize_rows_fp8(torch.randn(20, 4, 16) * 3)
     tables = torch.tensor([[7, 0, 0, 0, 0, 0, 0, 0], [3, 9, 1, 12, 4, 5, 6, 8]], dtype=torch.int32)

@@ -291,6 +291,73 @@ def test_fp8_fused_moe_matches_reference(dtype, t, e, a, c, i):
     assert rel(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 2, 4, 16])
+@pytest.mark.parametrize(
+    "config", [None, ("gemv", 16, 512, 4, 3), ("gemv", 4, 1024, 8, 2), ("gemv_tc", 32, 256, 4, 3)]
+)
+@pytest.mark.parametrize(("o", "k"), [(512, 6144), (3072, 6144), (6144, 3072), (200, 544)])
+def test_fp8_gemv_matches_dequantised_reference(dtype, t, config, o, k):
+    """The few-rows kernel: O not a multiple of the tile, In (544) not a multiple of BK."""
+    from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
+    from m3lm.kernels.fp8_triton import Config, mxfp8_matmul
+
+    gen = torch.Generator(device="cpu").manual_seed(t + o + k)
+    q, s = quantize_mxfp8(torch.randn(o, k, generator=gen) * 0.02)
+    s[:, 1::3] += 2  # neighbouring 32-blocks of a row at different exponents
+    q, s = q.to(DEV), s.to(DEV)
+    x = torch.randn(t, k, generator=gen).to(DEV, dtype)
+    ref = x.float() @ dequant_mxfp8(q, s).T
+    out = mxfp8_matmul(x, q, s, Config(*config) if config else None)
+    assert rel(out, ref) < (1e-4 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(out, mxfp8_matmul(x, q, s, Config(*config) if config else None))  # deterministic
+
+
+@pytest.mark.parametrize("t", [1, 4, 16, 64])
+@pytest.mark.parametrize("o", [3072, 200])
+def test_fp8_packed_gate_up_swiglu_matches_reference(t, o):
+    from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
+    from m3lm.kernels.fp8_triton import mxfp8_matmul, pack_gate_up
+    from m3lm.layers.mlp import swiglu_oai_ref
+
+    gen = torch.Generator(device="cpu").manual_seed(t + o)
+    (q1, s1), (q3, s3) = (
+        [u.to(DEV) for u in quantize_mxfp8(torch.randn(o, 6144, generator=gen) * 0.05)] for _ in range(2)
+    )
+    x = torch.randn(t, 6144, generator=gen).to(DEV, torch.bfloat16)
+    gate, up = (x.float() @ dequant_mxfp8(q, s).T for q, s in ((q1, s1), (q3, s3)))
+    assert float((gate > 7).float().mean()) > 0  # the clamp is exercised
+    out = mxfp8_matmul(x, *pack_gate_up(q1, s1, q3, s3), act="swiglu", alpha=1.702, limit=7.0)
+    assert out.shape == (t, o)
+    assert rel(out, swiglu_oai_ref(gate, up, 1.702, 7.0)) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 64])
+@pytest.mark.parametrize("swap", [False, True])
+def test_fp8_moe_pairs_match_reference(dtype, t, swap):
+    """Per-pair outputs of the fused fp8 gate/up + down, under both operand orders."""
+    from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
+    from m3lm.kernels.moe_fp8_triton import moe_pairs_fp8
+    from m3lm.layers.mlp import swiglu_oai_ref
+
+    e, a, c, i = 32, 4, 512, 256
+    gen = torch.Generator(device="cpu").manual_seed(t)
+    x = torch.randn(t, c, generator=gen).to(DEV, dtype)
+    ws = [
+        [u.to(DEV) for u in quantize_mxfp8(torch.randn(*sh, generator=gen) * 0.05)]
+        for sh in ((e, i, c), (e, i, c), (e, c, i))
+    ]
+    weights, ids = route(torch.randn(t, e, generator=gen).to(DEV), torch.zeros(e, device=DEV), a)
+    tile = (64, 64 if dtype == torch.float32 else 256, 4, 2, swap)
+    out = moe_pairs_fp8(x, weights, ids, *ws[0], *ws[1], *ws[2], 1.702, 7.0, ((16, tile), (16, tile)))
+    w1, w3, w2 = (dequant_mxfp8(*w) for w in ws)
+    gate, up = (torch.einsum("tc,taic->tai", x.float(), w[ids]) for w in (w1, w3))
+    ref = weights[..., None] * torch.einsum("tai,taci->tac", swiglu_oai_ref(gate, up, 1.702, 7.0), w2[ids])
+    assert out.shape == (t, a, c)
+    assert rel(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
 def test_fp8_index_scores_match_reference():
     from m3lm.kernels import msa_triton as mt
     from m3lm.kernels.fp8 import dequant_rows_fp8, quantize_rows_fp8

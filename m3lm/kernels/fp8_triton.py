@@ -1,22 +1,63 @@
 """Weight-only FP8 matrix product on the GPU (Triton), next to `fp8.py`'s reference `mxfp8_linear`.
 
 Hopper has no MX block-scaled tensor-core instructions, so MXFP8 weights are read as 8-bit
-values plus one E8M0 exponent per 32 inputs, dequantised in registers to the activation dtype
-and multiplied on the bf16 (or fp32) units with fp32 accumulation. Decode is memory-bound: the
-gain is reading half the bytes of bf16, so small batches use wide K tiles and split the output
-dimension over many programs. Static shapes, no host sync (CUDA-graph safe).
+values plus one E8M0 exponent per 32 inputs, dequantised in registers (times 2^(e - 127)) and
+multiplied with fp32 accumulation. Two kernels:
 
-Shapes: T rows (tokens), In inputs, O outputs, In/32 scale blocks.
+- `_mxfp8_gemv_kernel`, for a few rows (decode, T <= 16): many programs, each owning a slice of
+  the weight's output rows and all T rows of x; wide contiguous K loads (16-byte fp8 vectors).
+  "gemv" multiplies on the CUDA cores (T = 1: one fp32 product per weight, reduced over K once
+  at the end), "gemv_tc" on the tensor cores with the weight as the wide operand and x's rows
+  padded to 16. No split-K: every output is summed by one program, in a fixed order.
+- `_mxfp8_matmul_kernel` ("tile"), for any T: BM x BN output tiles on the tensor cores.
+
+Both can apply the clamped SwiGLU of `layers/mlp.py` to a weight packed as [gate rows; up rows]
+(`pack_gate_up`): a program reads the gate and up rows of its outputs and writes swiglu(gate, up).
+Static shapes, no host sync (CUDA-graph safe).
+
+Shapes: T rows (tokens), In inputs, O outputs (weight rows), In/32 scale blocks.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from m3lm.kernels.fp8 import MX_BLOCK
-from m3lm.kernels.host import precision, sm_count
+from m3lm.kernels.host import interpreted, precision, sm_count
+
+
+class Config(NamedTuple):
+    """One launch shape of `mxfp8_matmul`. kernel: "gemv" (CUDA cores, T <= 16), "gemv_tc" (tensor
+    cores, T <= 16) or "tile" (tensor cores, any T, BM rows a program). BN counts outputs: with the
+    SwiGLU a program reads 2 * BN weight rows."""
+
+    kernel: str
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    bm: int = 16
+
+
+# Tunables. First choices from the compiled kernels' resources (registers, shared memory, 16-byte
+# loads), not yet timed: `benchmarks/fp8_configs.py` sweeps them on the GPU at the release's shapes.
+GEMV_MAX_T = 16  # at most this many rows: the GEMV kernel
+# Per largest T of a bucket: the GEMV tile. Its BN is an upper bound: `matmul_config` halves it
+# (down to GEMV_MIN_BN) until the grid has GEMV_PROGRAMS_PER_SM programs per multiprocessor, and
+# widens BK so that each thread still loads 16 bytes of a row at a time.
+GEMV_TILES = (
+    (1, Config("gemv", 16, 512, 4, 3)),
+    (16, Config("gemv_tc", 32, 256, 4, 3)),
+)
+GEMV_MIN_BN = {"gemv": 2, "gemv_tc": 16}
+GEMV_PROGRAMS_PER_SM = 2
+# Fewer outputs than 16 x the SMs, too few for 16-row tensor-core tiles to fill the GPU (the k/v
+# projections): the CUDA cores, one warp a row (BN = warps, BK = 32 lanes x 16 bytes).
+GEMV_NARROW = Config("gemv", 4, 512, 4, 3)
 
 
 @triton.jit
@@ -28,64 +69,177 @@ def dequant_tile(w, s, ROWS: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def swiglu(gate, up, alpha, limit):
+    """The clamped SwiGLU of `layers/mlp.py`, in fp32: the gate clamped from above only."""
+    g = tl.minimum(gate, limit)
+    u = tl.minimum(tl.maximum(up, -limit), limit)
+    return g * tl.sigmoid(alpha * g) * (u + 1.0)
+
+
+@triton.jit
+def _weight_rows(pid, N, BN: tl.constexpr, G: tl.constexpr):
+    """Weight rows [G*BN] of output tile pid: outputs pid*BN + j, then (G = 2) their up rows N + that."""
+    r = tl.arange(0, G * BN)
+    n = pid * BN + r % BN
+    return n + (r // BN) * N, n < N
+
+
+@triton.jit
+def _weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K: tl.constexpr, BK: tl.constexpr):
+    """Weight rows `rows` [R], inputs k0..k0+BK, dequantised: fp32 [R, BK] (0 where masked)."""
+    kk = k0 + tl.arange(0, BK)
+    kb = k0 // 32 + tl.arange(0, BK // 32)
+    w_ptrs = q_ptr + rows[:, None] * s_qo + kk[None, :]
+    s_ptrs = s_ptr + rows[:, None] * s_so + kb[None, :]
+    if EVEN_K:  # no K mask: nothing stands between the loads and 16-byte vectors
+        w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
+        s = tl.load(s_ptrs, mask=row_ok[:, None], other=0)
+    else:
+        w = tl.load(w_ptrs, mask=row_ok[:, None] & (kk[None, :] < KDIM), other=0.0)
+        s = tl.load(s_ptrs, mask=row_ok[:, None] & (kb[None, :] < KDIM // 32), other=0)
+    return dequant_tile(w, s, rows.shape[0], BK)
+
+
+@triton.jit
+def _mxfp8_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, y_ptr,
+    T, N, KDIM, s_xt, s_qo, s_so, s_yt, alpha, limit,
+    KLOOP: tl.constexpr, EVEN_K: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """y[:T, n] for this program's BN outputs n, every weight row read once; x [T, In] stays in cache.
+
+    Accumulates transposed, [G*BN, BT]. KLOOP: the K bound as a constant (the interpreter), else 0.
+    """
+    pid = tl.program_id(0)
+    rows, row_ok = _weight_rows(pid, N, BN, G)
+    offs_t = tl.arange(0, BT)
+    acc = tl.zeros([G * BN, BT], tl.float32)
+    wide = tl.zeros([G * BN, BK], tl.float32)  # T = 1 on CUDA cores: per-lane sums, reduced at the end
+    # An explicit pipelining depth: by default only the loads that feed a dot are prefetched.
+    for k0 in tl.range(0, KLOOP if KLOOP else KDIM, BK, num_stages=STAGES):
+        kk = k0 + tl.arange(0, BK)
+        w = _weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K, BK)  # [G*BN, BK]
+        if DOT:  # [G*BN, BK] @ [BK, 16]: the weight on the tensor cores' wide side
+            x = tl.load(
+                x_ptr + offs_t[:, None] * s_xt + kk[None, :],
+                mask=(offs_t[:, None] < T) & (kk[None, :] < KDIM),
+                other=0.0,
+            )
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PREC)
+        elif BT == 1:
+            x = tl.load(x_ptr + kk, mask=kk < KDIM, other=0.0)
+            wide += w * x[None, :].to(tl.float32)
+        else:
+            for r in tl.static_range(BT):
+                x = tl.load(x_ptr + r * s_xt + kk, mask=(kk < KDIM) & (r < T), other=0.0)
+                dots = tl.sum(w * x[None, :].to(tl.float32), axis=1)  # [G*BN]
+                acc += tl.where(offs_t[None, :] == r, dots[:, None], 0.0)
+    if BT == 1 and not DOT:
+        acc = tl.sum(wide, axis=1)[:, None]
+    if G == 2:  # [2*BN, BT]: gate rows, then up rows
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BN, BT)), (1, 2, 0)))
+        acc = swiglu(gate, up, alpha, limit)
+    offs_n = pid * BN + tl.arange(0, BN)
+    out = y_ptr + offs_t[None, :] * s_yt + offs_n[:, None]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & (offs_t[None, :] < T))
+
+
+@triton.jit
 def _mxfp8_matmul_kernel(
     x_ptr, q_ptr, s_ptr, y_ptr,
-    T, s_xt, s_qo, s_so, s_yt,
-    N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr,
+    T, N, KDIM, s_xt, s_qo, s_so, s_yt, alpha, limit,
+    KLOOP: tl.constexpr, EVEN_K: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
+    """y tile [BM, BN] = x[BM rows] @ W[BN outputs].T on the tensor cores (see `_mxfp8_gemv_kernel`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    offs_b = tl.arange(0, BK // 32)
-    row_ok = offs_m[:, None] < T
-    col_ok = offs_n[:, None] < N
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, KDIM, BK):
-        kk = k0 + offs_k
+    rows, row_ok = _weight_rows(pid_n, N, BN, G)
+    acc = tl.zeros([BM, G * BN], tl.float32)
+    for k0 in range(0, KLOOP if KLOOP else KDIM, BK):
+        kk = k0 + tl.arange(0, BK)
         x = tl.load(
-            x_ptr + offs_m[:, None] * s_xt + kk[None, :], mask=row_ok & (kk[None, :] < KDIM), other=0.0
+            x_ptr + offs_m[:, None] * s_xt + kk[None, :],
+            mask=(offs_m[:, None] < T) & (kk[None, :] < KDIM),
+            other=0.0,
         )
-        w = tl.load(
-            q_ptr + offs_n[:, None] * s_qo + kk[None, :], mask=col_ok & (kk[None, :] < KDIM), other=0.0
-        )
-        kb = k0 // 32 + offs_b
-        s = tl.load(
-            s_ptr + offs_n[:, None] * s_so + kb[None, :], mask=col_ok & (kb[None, :] < KDIM // 32), other=0
-        )
-        wd = dequant_tile(w, s, BN, BK).to(x.dtype)  # [BN, BK]
-        acc += tl.dot(x, tl.trans(wd), out_dtype=tl.float32, input_precision=PREC)
+        w = _weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K, BK)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PREC)
+    if G == 2:  # [BM, 2*BN]: gate columns, then up columns
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+        acc = swiglu(gate, up, alpha, limit)
+    offs_n = pid_n * BN + tl.arange(0, BN)
     out = y_ptr + offs_m[:, None].to(tl.int64) * s_yt + offs_n[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok & (offs_n[None, :] < N))
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < T) & (offs_n[None, :] < N))
 
 
-def matmul_config(t: int, o: int, kdim: int, sms: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, warps, stages): GEMV-like tiles for decode, square-ish tiles for prefill."""
+def matmul_config(t: int, o: int, kdim: int, sms: int, act: bool = False) -> Config:
+    """The launch shape for T rows, O outputs and In = kdim inputs (act: O gate/up pairs)."""
     bk_cap = max(32, triton.next_power_of_2(kdim))
-    if t <= 16:  # memory-bound: wide K, and enough output tiles for about 2 programs per SM
-        bn = 64
-        while bn > 16 and -(-o // bn) < 2 * sms:
+    if t > GEMV_MAX_T:
+        if t <= 128:
+            return Config("tile", 64, min(128, bk_cap), 4, 4, bm=64 if t <= 64 else 128)
+        return Config("tile", 128, min(64, bk_cap), 8, 3, bm=128)
+    # Memory-bound: wide K, and enough programs to keep every SM's loads in flight.
+    programs = GEMV_PROGRAMS_PER_SM * sms
+    tile = next(tile for bound, tile in GEMV_TILES if t <= bound)
+    if tile.kernel == "gemv_tc" and -(-o // GEMV_MIN_BN["gemv_tc"]) < sms:
+        tile = GEMV_NARROW
+    else:
+        least = GEMV_MIN_BN[tile.kernel]
+        bn = max(least, tile.bn // (2 if act else 1))
+        while bn > least and -(-o // bn) < programs:
             bn //= 2
-        return 16, bn, min(256, bk_cap), 4, 4
-    if t <= 128:
-        return 64 if t <= 64 else 128, 64, min(128, bk_cap), 4, 4
-    return 128, 128, min(64, bk_cap), 8, 3
+        tile = tile._replace(bn=bn)
+    bk = min(tile.bk, bk_cap)
+    while tile.bn * bk < 16 * 32 * tile.warps and bk < bk_cap:  # 16 bytes per thread and row
+        bk *= 2
+    return tile._replace(bk=bk)
 
 
-def mxfp8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, config=None) -> torch.Tensor:
-    """x [T, In] (bf16 or fp32) @ dequant(q [O, In] e4m3, scale [O, In/32] uint8).T -> [T, O] in x's dtype."""
+def pack_gate_up(
+    q1: torch.Tensor, s1: torch.Tensor, q3: torch.Tensor, s3: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate (q1, s1) and up (q3, s3) weights [I, In] -> one [2I, In] weight for `act="swiglu"`."""
+    return torch.cat([q1, q3]), torch.cat([s1, s3])
+
+
+def mxfp8_matmul(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    config: Config | None = None,
+    act: str | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """x [T, In] (bf16 or fp32) @ dequant(q [O, In] e4m3, scale [O, In/32] uint8).T -> [T, O] in x's dtype.
+
+    act="swiglu": q holds [gate rows; up rows] (`pack_gate_up`), and the result is the clamped
+    swiglu(gate, up, alpha, limit) [T, O/2].
+    """
     t, kdim = x.shape
-    o = q.shape[0]
-    assert kdim % MX_BLOCK == 0 and q.shape[1] == kdim and scale.shape == (o, kdim // MX_BLOCK)
+    rows = q.shape[0]
+    assert kdim % MX_BLOCK == 0 and q.shape[1] == kdim and scale.shape == (rows, kdim // MX_BLOCK)
+    assert act in (None, "swiglu") and q.numel() < 2**31
+    g = 2 if act else 1
+    n = rows // g
+    assert n * g == rows
     x = x.contiguous()
-    y = torch.empty(t, o, device=x.device, dtype=x.dtype)
-    bm, bn, bk, warps, stages = config or matmul_config(t, o, kdim, sm_count(x.device))
-    grid = (triton.cdiv(t, bm), triton.cdiv(o, bn))
-    _mxfp8_matmul_kernel[grid](
-        x, q, scale, y, t, x.stride(0), q.stride(0), scale.stride(0), y.stride(0),
-        N=o, KDIM=kdim, PREC=precision(x), BM=bm, BN=bn, BK=bk,
-        num_warps=warps, num_stages=stages,
+    y = torch.empty(t, n, device=x.device, dtype=x.dtype)
+    cfg = config or matmul_config(t, n, kdim, sm_count(x.device), act is not None)
+    common = dict(
+        KLOOP=kdim if interpreted() else 0, EVEN_K=kdim % cfg.bk == 0, G=g, PREC=precision(x),
+        BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
+    args = (x, q, scale, y, t, n, kdim, x.stride(0), q.stride(0), scale.stride(0), y.stride(0), alpha, limit)
+    if cfg.kernel == "tile":
+        _mxfp8_matmul_kernel[(triton.cdiv(t, cfg.bm), triton.cdiv(n, cfg.bn))](*args, BM=cfg.bm, **common)
+    else:
+        assert t <= GEMV_MAX_T, "the GEMV kernel holds at most 16 rows"
+        dot = cfg.kernel == "gemv_tc"
+        bt = 16 if dot else triton.next_power_of_2(t)
+        _mxfp8_gemv_kernel[(triton.cdiv(n, cfg.bn),)](*args, DOT=dot, BT=bt, STAGES=cfg.stages, **common)
     return y

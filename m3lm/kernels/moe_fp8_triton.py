@@ -1,9 +1,12 @@
-"""Fused MoE with MXFP8 experts on the GPU (Triton): `moe_triton`'s grouped GEMM, weight-only FP8.
+"""Fused MoE with MXFP8 experts on the GPU (Triton): `moe_triton`'s schedule, weight-only FP8.
 
-Same schedule as `moe_triton` (pairs sorted by expert and padded to BLOCK_M rows by `align`;
-one program multiplies BLOCK_M rows of one expert by a BLOCK_N slice of its weights), but the
-expert weights are read as e4m3 values plus one E8M0 exponent per 32 inputs and dequantised in
-registers, so each touched expert costs half the bytes of bf16. CUDA-graph safe.
+Pairs are sorted by expert and padded to BLOCK_M rows by `align`; one program multiplies
+BLOCK_M rows of one expert by a BLOCK_N slice of its weights, read as e4m3 values plus one E8M0
+exponent per 32 inputs and dequantised in registers, so each touched expert costs half the bytes
+of bf16. Two launches after the alignment: gate/up + clamped SwiGLU in one pass over the token
+rows (`_moe_fp8_gate_up_kernel`), then the down GEMM scaled by the routing weights. With `swap`
+a tile multiplies W @ a.T (the weight on the tensor cores' wide side, which suits a few rows per
+expert). CUDA-graph safe.
 
 Shapes: T tokens, A experts per token, E experts, C hidden, I expert width, M = T*A pairs.
 """
@@ -14,10 +17,90 @@ import torch
 import triton
 import triton.language as tl
 
-from m3lm.kernels.fp8_triton import dequant_tile
+from m3lm.kernels.fp8_triton import dequant_tile, swiglu
 from m3lm.kernels.host import precision
 from m3lm.kernels.moe_triton import align
-from m3lm.layers.mlp import swiglu_oai
+
+
+@triton.jit
+def _block_pairs(sorted_ptr, expert_ptr, pid_m, M, BM: tl.constexpr):
+    """Expert (int64) and pair ids [BM] of aligned block pid_m; padding slots hold M."""
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+    return e, pairs, pairs < M
+
+
+@triton.jit
+def _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM: tl.constexpr, BK: tl.constexpr):
+    """Activation rows `rows` [BM], inputs k0..k0+BK: [BM, BK] (0 for padding)."""
+    kk = k0 + tl.arange(0, BK)
+    return tl.load(
+        a_ptr + rows[:, None].to(tl.int64) * s_am + kk[None, :],
+        mask=valid[:, None] & (kk[None, :] < KDIM),
+        other=0.0,
+    )
+
+
+@triton.jit
+def _expert_tile(
+    w_ptr, s_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn,
+    N: tl.constexpr, KDIM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """Expert e's weight rows offs_n [BN], inputs k0..k0+BK, dequantised: fp32 [BN, BK]."""
+    kk = k0 + tl.arange(0, BK)
+    kb = k0 // 32 + tl.arange(0, BK // 32)
+    n_ok = offs_n[:, None] < N
+    w = tl.load(
+        w_ptr + e * s_we + offs_n[:, None] * s_wn + kk[None, :], mask=n_ok & (kk[None, :] < KDIM), other=0.0
+    )
+    s = tl.load(
+        s_ptr + e * s_se + offs_n[:, None] * s_sn + kb[None, :],
+        mask=n_ok & (kb[None, :] < KDIM // 32),
+        other=0,
+    )
+    return dequant_tile(w, s, BN, BK)
+
+
+@triton.jit
+def _acc_dot(acc, a, w, SWAP: tl.constexpr, PREC: tl.constexpr):
+    """acc += a [BM, BK] @ w [BN, BK].T; with SWAP acc is held transposed, [BN, BM]."""
+    w = w.to(a.dtype)
+    if SWAP:
+        acc = tl.dot(w, tl.trans(a), acc, input_precision=PREC)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _moe_fp8_gate_up_kernel(
+    a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, sorted_ptr, expert_ptr, used_ptr,
+    M, TOP_K, alpha, limit,
+    s_am, s_we, s_wn, s_se, s_sn, s_hm,
+    N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
+):  # fmt: skip
+    """h[pair] = swiglu(a[token] @ W1[e].T, a[token] @ W3[e].T): both products from one read of a."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BM >= tl.load(used_ptr):
+        return
+    e, pairs, valid = _block_pairs(sorted_ptr, expert_ptr, pid_m, M, BM)
+    rows = pairs // TOP_K
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    gate = tl.zeros([BN if SWAP else BM, BM if SWAP else BN], tl.float32)  # [BM, BN], or [BN, BM]
+    up = tl.zeros_like(gate)
+    for k0 in range(0, KDIM, BK):
+        a = _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM, BK)
+        w1 = _expert_tile(w1_ptr, s1_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn, N, KDIM, BN, BK)
+        gate = _acc_dot(gate, a, w1, SWAP, PREC)
+        w3 = _expert_tile(w3_ptr, s3_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn, N, KDIM, BN, BK)
+        up = _acc_dot(up, a, w3, SWAP, PREC)
+    h = swiglu(gate, up, alpha, limit)
+    if SWAP:
+        h = tl.trans(h)
+    out = h_ptr + pairs[:, None].to(tl.int64) * s_hm + offs_n[None, :]
+    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
 @triton.jit
@@ -26,83 +109,104 @@ def _moe_fp8_gemm_kernel(
     M, TOP_K,
     s_am, s_we, s_wn, s_se, s_sn, s_cm,
     N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
+    """c[pair] = a[row] @ W[e].T (times scale[pair]); row = the pair (PAIR_ROWS) or its token."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BM >= tl.load(used_ptr):
         return
-    e = tl.load(expert_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
-    valid = pairs < M
+    e, pairs, valid = _block_pairs(sorted_ptr, expert_ptr, pid_m, M, BM)
     rows = pairs if PAIR_ROWS else pairs // TOP_K
     offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    offs_b = tl.arange(0, BK // 32)
-    n_ok = offs_n[:, None] < N
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = tl.zeros([BN if SWAP else BM, BM if SWAP else BN], tl.float32)
     for k0 in range(0, KDIM, BK):
-        kk = k0 + offs_k
-        a = tl.load(
-            a_ptr + rows[:, None].to(tl.int64) * s_am + kk[None, :],
-            mask=valid[:, None] & (kk[None, :] < KDIM),
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + e * s_we + offs_n[:, None] * s_wn + kk[None, :],
-            mask=n_ok & (kk[None, :] < KDIM),
-            other=0.0,
-        )
-        kb = k0 // 32 + offs_b
-        s = tl.load(
-            s_ptr + e * s_se + offs_n[:, None] * s_sn + kb[None, :],
-            mask=n_ok & (kb[None, :] < KDIM // 32),
-            other=0,
-        )
-        wd = dequant_tile(w, s, BN, BK).to(a.dtype)  # [BN, BK]
-        acc += tl.dot(a, tl.trans(wd), out_dtype=tl.float32, input_precision=PREC)
+        a = _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM, BK)
+        w = _expert_tile(w_ptr, s_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn, N, KDIM, BN, BK)
+        acc = _acc_dot(acc, a, w, SWAP, PREC)
+    if SWAP:
+        acc = tl.trans(acc)
     if SCALE:
         acc = acc * tl.load(scale_ptr + pairs, mask=valid, other=0.0)[:, None]
     out = c_ptr + pairs[:, None].to(tl.int64) * s_cm + offs_n[None, :]
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-def _gemm(a, w, ws, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, block_m=16):
+def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tuple]]:
+    """((BLOCK_M, tile) of the gate/up kernel, (BLOCK_M, tile) of the down GEMM) for M pairs.
+
+    A tile is (BN, BK, warps, stages, swap). Wide K and the weight on the tensor cores' wide side
+    for a few rows (decode reads weights), larger tiles for many; not yet timed, the candidates
+    are `benchmarks/fp8_configs.py`'s. fp32 (tests, CPU-sized models) takes small tiles that fit
+    in shared memory.
+    """
+    if dtype == torch.float32:
+        return (16, (64, 64, 4, 2, False)), (16, (64, 64, 4, 2, False))
+    if m <= 64:
+        return (16, (64, 256, 4, 3, True)), (16, (64, 256, 4, 3, True))
+    if m <= 1024:
+        return (16, (128, 128, 4, 4, False)), (16, (128, 128, 4, 4, False))
+    return (64, (128, 64, 4, 3, False)), (64, (128, 64, 4, 3, False))
+
+
+def _launch_shape(aligned, w, block_m: int, config: tuple):
+    n, kdim = w.shape[1], w.shape[2]
+    bn, bk, warps, stages, swap = config
+    grid = (aligned[0].numel() // block_m, triton.cdiv(n, bn))
+    bk = min(bk, max(32, triton.next_power_of_2(kdim)))
+    meta = dict(N=n, KDIM=kdim, BM=block_m, BN=bn, BK=bk, SWAP=swap, num_warps=warps, num_stages=stages)
+    return grid, meta
+
+
+def gate_up_fp8(x, w1, s1, w3, s3, m, top_k, aligned, alpha, limit, block_m, config) -> torch.Tensor:
+    """SwiGLU activations [M, I] of every token-expert pair (x.dtype); w1/w3 [E, I, C] + scales."""
+    assert w1.shape == w3.shape and w1.stride() == w3.stride() and s1.stride() == s3.stride()
+    sorted_ids, block_expert, used = aligned
+    h = torch.empty(m, w1.shape[1], device=x.device, dtype=x.dtype)
+    grid, meta = _launch_shape(aligned, w1, block_m, config)
+    _moe_fp8_gate_up_kernel[grid](
+        x, w1, s1, w3, s3, h, sorted_ids, block_expert, used, m, top_k, alpha, limit,
+        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+        PREC=precision(x), **meta,
+    )  # fmt: skip
+    return h
+
+
+def grouped_gemm_fp8(
+    a, w, ws, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, block_m=16, config=None
+) -> torch.Tensor:
     """c[pair] = a[row of pair] @ dequant(w, ws)[expert of pair].T (times scale[pair]) -> [M, N]."""
     sorted_ids, block_expert, used = aligned
-    n, kdim = w.shape[1], w.shape[2]
-    c = torch.empty(m, n, device=a.device, dtype=out_dtype or a.dtype)
-    cap = max(32, triton.next_power_of_2(kdim))
-    # Few rows: wide K, narrow N (memory-bound); many rows: the bf16 kernel's tiles.
-    bn, bk, warps, stages = (
-        (32, min(256, cap), 4, 4)
-        if m <= 64
-        else (128, min(128, cap), 4, 4)
-        if m <= 1024
-        else (128, min(64, cap), 4, 3)
-    )
-    grid = (sorted_ids.numel() // block_m, triton.cdiv(n, bn))
+    c = torch.empty(m, w.shape[1], device=a.device, dtype=out_dtype or a.dtype)
+    grid, meta = _launch_shape(aligned, w, block_m, config or tiles(m, a.dtype)[1][1])
     _moe_fp8_gemm_kernel[grid](
         a, w, ws, c, sorted_ids, block_expert, used, scale if scale is not None else c,
         m, top_k, a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), c.stride(0),
-        N=n, KDIM=kdim, PAIR_ROWS=pair_rows, SCALE=scale is not None,
-        PREC=precision(a), BM=block_m, BN=bn, BK=bk,
-        num_warps=warps, num_stages=stages,
+        PAIR_ROWS=pair_rows, SCALE=scale is not None, PREC=precision(a), **meta,
     )  # fmt: skip
     return c
 
 
+def moe_pairs_fp8(
+    x, weights, ids, w1, s1, w3, s3, w2, s2, alpha: float, limit: float, configs=None
+) -> torch.Tensor:
+    """weights[t, a] * expert_{ids[t, a]}(x[t]) for every pair -> [T, A, C] fp32, not yet summed over A.
+
+    w1/w3 [E, I, C] + scales [E, I, C/32], w2 [E, C, I] + [E, C, I/32]; configs: `tiles`' form.
+    """
+    t, a = ids.shape
+    (up_m, up_cfg), (down_m, down_cfg) = configs or tiles(t * a, x.dtype)
+    aligned = align(ids, w1.shape[0], up_m)
+    h = gate_up_fp8(x.contiguous(), w1, s1, w3, s3, t * a, a, aligned, alpha, limit, up_m, up_cfg)  # [M, I]
+    if down_m != up_m:
+        aligned = align(ids, w1.shape[0], down_m)
+    scale = weights.flatten().float().contiguous()
+    down = grouped_gemm_fp8(
+        h, w2, s2, t * a, a, aligned, True, scale, torch.float32, block_m=down_m, config=down_cfg
+    )
+    return down.view(t, a, -1)  # [T, A, C]
+
+
 def moe_experts_fp8(x, weights, ids, w1, s1, w3, s3, w2, s2, alpha: float, limit: float) -> torch.Tensor:
     """`moe_experts_mxfp8`'s contract: sum_a weights[t, a] * expert_{ids[t, a]}(x[t]) -> [T, C] fp32."""
-    t, a = ids.shape
-    block_m = 16 if t * a <= 1024 else 64
-    aligned = align(ids, w1.shape[0], block_m)
-    x = x.contiguous()
-    gate = _gemm(x, w1, s1, t * a, a, aligned, pair_rows=False, block_m=block_m)  # [M, I]
-    up = _gemm(x, w3, s3, t * a, a, aligned, pair_rows=False, block_m=block_m)
-    h = swiglu_oai(gate.float(), up.float(), alpha, limit).to(x.dtype)  # [M, I]
-    scale = weights.flatten().float().contiguous()
-    down = _gemm(
-        h, w2, s2, t * a, a, aligned, pair_rows=True, scale=scale, out_dtype=torch.float32, block_m=block_m
-    )
-    return down.view(t, a, -1).sum(1)  # [T, C]
+    return moe_pairs_fp8(x, weights, ids, w1, s1, w3, s3, w2, s2, alpha, limit).sum(1)
