@@ -228,15 +228,16 @@ class MoE(nn.Module):
             experts, stacked = moe_experts_mxfp8, (ex.w1, ex.w1_scale, ex.w3, ex.w3_scale, ex.w2, ex.w2_scale)
         else:
             experts, stacked = moe_experts_ref, (ex.w1, ex.w3, ex.w2)
-        if x.is_cuda and not ex.partitioned and not fp8:
+        if x.is_cuda and not ex.partitioned:
             # Triton (imported here so CPU installs need no Triton): the grouped GEMMs leave one
             # weighted output per token-expert pair; one pass sums them, scales, adds the shared
             # expert and casts.
             from m3lm.kernels.fused import moe_combine
+            from m3lm.kernels.moe_fp8_triton import moe_pairs_fp8
             from m3lm.kernels.moe_triton import moe_pairs
 
-            pairs = moe_pairs(x, weights, ids, *stacked, self.alpha, self.limit)  # [T, A, C] fp32, weighted
-            return moe_combine(pairs, self.shared_experts(x), self.scaling)
+            pairs = (moe_pairs_fp8 if fp8 else moe_pairs)(x, weights, ids, *stacked, self.alpha, self.limit)
+            return moe_combine(pairs, self.shared_experts(x), self.scaling)  # pairs [T, A, C] fp32
         if x.is_cuda and not fp8:
             from m3lm.kernels.moe_triton import moe_experts as experts
         if ex.partitioned:
