@@ -111,8 +111,8 @@ def rate(ms: float | None, nbytes: float) -> str:
     return "failed" if ms is None else f"{ms * 1e3:6.1f} us ({nbytes / ms / 1e9:4.2f} TB/s)"
 
 
-def dense(log: Log, sms: int) -> None:
-    for t in TOKENS:
+def dense(log: Log, sms: int, rows=TOKENS) -> None:
+    for t in rows:
         x = torch.randn(t, max(k for _, k in SHAPES.values()), device="cuda", dtype=torch.bfloat16)
         for name, (o, kdim) in SHAPES.items():
             q, s = mxfp8(o, kdim)
@@ -194,6 +194,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="also append the lines as a dated Markdown section to this file")
     p.add_argument("--dry-run", action="store_true", help="list the shapes and configurations, touch no GPU")
     p.add_argument("--skip-moe", action="store_true")
+    p.add_argument("--rows", type=int, nargs="*", default=list(TOKENS), help="row counts of the dense shapes")
     args = p.parse_args()
     if args.dry_run:
         for t in TOKENS:
@@ -205,7 +206,7 @@ def main() -> None:
         return
     log = Log()
     props = torch.cuda.get_device_properties(0)
-    dense(log, props.multi_processor_count)
+    dense(log, props.multi_processor_count, args.rows)
     if not args.skip_moe:
         moe(log)
     if args.out:
