@@ -43,17 +43,21 @@ class Config(NamedTuple):
     bm: int = 16
 
 
-# Tunables, from `benchmarks/fp8_configs.py` on the H200 at the release's shapes
-# (`benchmarks/results/fp8_configs_h200.md`): at 4 and 16 rows the tensor-core GEMV with 32 weight
-# rows and 512 inputs per step is the best or within a few percent of it for every projection
-# but the narrow k/v ones; its memory traffic does not depend on the row count, so 1 row takes it too.
+# Tunables. Chosen from the compiled kernels' resources (registers, shared memory, 16-byte loads)
+# and kept after a GPU check: `benchmarks/fp8_configs.py` sweeps them at the release's shapes
+# (`benchmarks/results/fp8_configs_h200.md`). Its per-kernel winners (the tensor-core GEMV with 32
+# rows x 512 inputs) made the graph-captured batch-1 step slower (decoder layers 1.03 -> 1.10
+# ms), so they are not the defaults.
 GEMV_MAX_T = 16  # at most this many rows: the GEMV kernel
 # Per largest T of a bucket: the GEMV tile. Its BN is an upper bound: `matmul_config` halves it
 # (down to GEMV_MIN_BN) until the grid has GEMV_PROGRAMS_PER_SM programs per multiprocessor, and
 # widens BK so that each thread still loads 16 bytes of a row at a time.
-GEMV_TILES = ((16, Config("gemv_tc", 32, 512, 4, 3)),)
+GEMV_TILES = (
+    (1, Config("gemv", 16, 512, 4, 3)),
+    (16, Config("gemv_tc", 32, 256, 4, 3)),
+)
 GEMV_MIN_BN = {"gemv": 2, "gemv_tc": 16}
-GEMV_PROGRAMS_PER_SM = 0.5
+GEMV_PROGRAMS_PER_SM = 2
 # Fewer outputs than 16 x the SMs, too few for 16-row tensor-core tiles to fill the GPU (the k/v
 # projections): the CUDA cores, one warp a row (BN = warps, BK = 32 lanes x 16 bytes).
 GEMV_NARROW = Config("gemv", 4, 512, 4, 3)

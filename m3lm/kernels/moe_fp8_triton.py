@@ -135,15 +135,15 @@ def _moe_fp8_gemm_kernel(
 def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tuple]]:
     """((BLOCK_M, tile) of the gate/up kernel, (BLOCK_M, tile) of the down GEMM) for M pairs.
 
-    A tile is (BN, BK, warps, stages, swap: the weight on the tensor cores' wide side). Wide K
-    for a few rows (decode reads weights; the 4-pair tiles are `benchmarks/fp8_configs.py`'s best
-    on the H200), larger tiles for many (not yet swept). fp32 (tests, CPU-sized models) takes
-    small tiles that fit in shared memory.
+    A tile is (BN, BK, warps, stages, swap). Wide K and the weight on the tensor cores' wide side
+    for a few rows (decode reads weights), larger tiles for many; the candidates are
+    `benchmarks/fp8_configs.py`'s (its 4-pair winners did not speed up the captured decode step). fp32 (tests, CPU-sized models) takes small tiles that fit
+    in shared memory.
     """
     if dtype == torch.float32:
         return (16, (64, 64, 4, 2, False)), (16, (64, 64, 4, 2, False))
     if m <= 64:
-        return (16, (32, 256, 4, 4, False)), (16, (64, 256, 4, 3, False))
+        return (16, (64, 256, 4, 3, True)), (16, (64, 256, 4, 3, True))
     if m <= 1024:
         return (16, (128, 128, 4, 4, False)), (16, (128, 128, 4, 4, False))
     return (64, (128, 64, 4, 3, False)), (64, (128, 64, 4, 3, False))
