@@ -276,12 +276,7 @@ class DecoderLayer(nn.Module):
         """(residual stream h [T, C], the previous layer's output not yet added to it, or None)
         -> (h, this layer's MLP/MoE output, not yet added): each residual add is done together
         with the norm that follows it (`add_norm`)."""
-        h, x = add_norm(h, pending, self.input_layernorm)
-        # Under tensor parallelism both branches return partial sums over this rank's heads/width.
-        h, x = add_norm(
-            h, all_reduce(self.self_attn(x, batch, cos, sin), self.parallel), self.post_attention_layernorm
-        )
-        return h, all_reduce(self.ffn(x), self.parallel)
+        return self._run(h, pending, lambda x: self.self_attn(x, batch, cos, sin))
 
     def decode(
         self,
@@ -292,12 +287,14 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for one new token per sequence over the paged caches."""
+        return self._run(h, pending, lambda x: self.self_attn.decode(x, dec, cos, sin))
+
+    def _run(
+        self, h: torch.Tensor, pending: torch.Tensor | None, attend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         h, x = add_norm(h, pending, self.input_layernorm)
-        h, x = add_norm(
-            h,
-            all_reduce(self.self_attn.decode(x, dec, cos, sin), self.parallel),
-            self.post_attention_layernorm,
-        )
+        # Under tensor parallelism both branches return partial sums over this rank's heads/width.
+        h, x = add_norm(h, all_reduce(attend(x), self.parallel), self.post_attention_layernorm)
         return h, all_reduce(self.ffn(x), self.parallel)
 
     @property
