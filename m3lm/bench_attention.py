@@ -59,7 +59,7 @@ def bench_attention(model: MiniMaxM3, length: int, iters: int) -> list[Row]:
     rows = []
     for kind in ("drift", "random"):
         sel = selection(kind, k, length, s, a, gen)
-        union = float(tile_blocks(sel.int(), max(1, ROWS // (h // k)))[1].float().mean())
+        union = float(tile_blocks(sel.int(), max(1, ROWS // (h // k)), -(-length // s))[1].float().mean())
         ms = _time(lambda: msa_prefill_attention(q, kk, vv, pos, d**-0.5, sel, s, 0), iters)  # noqa: B023
         case = f"MSA attention T={length}, {kind} selection ({union:.1f} blocks per tile)"
         rows.append(Row(case, ms, length, 0.0, 4 * keys * h * d, ref_ms=dense_ms))

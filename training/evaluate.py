@@ -29,7 +29,6 @@ import torch
 import m3lm
 from m3lm.core import ForwardBatch
 from m3lm.kernels.msa import msa_select_ref, select_blocks_ref
-from m3lm.layers.rotary import apply_rope
 from m3lm.models.minimax_m3 import Attention, MiniMaxM3
 
 SELECTIONS = ("indexer", "random", "oracle", "local block")
@@ -42,10 +41,7 @@ def block_mass(
     selection [K, T, k] for one sequence whose layer input is x [T, C]."""
     t = x.shape[0]
     block = attn.msa[0]
-    q = apply_rope(attn.q_norm(attn.q_proj(x).view(t, attn.n_heads, -1)), cos, sin)  # [T, H, D]
-    k = apply_rope(attn.k_norm(attn.k_proj(x).view(t, attn.n_kv, -1)), cos, sin)  # [T, K, D]
-    iq = apply_rope(attn.index_q_norm(attn.index_q_proj(x).view(t, attn.n_kv, -1)), cos, sin)  # [T, K, Di]
-    ik = apply_rope(attn.index_k_norm(attn.index_k_proj(x).view(t, 1, -1)), cos, sin)[:, 0]  # [T, Di]
+    q, k, _, iq, ik = attn.project(x, cos, sin)  # [T, H, D], [T, K, D], -, [T, K, Di], [T, Di]
     qg = q.float().unflatten(1, (attn.n_kv, -1))  # [T, K, G, D]
     s = torch.einsum("tkgd,jkd->kgtj", qg, k.float()) * attn.scale  # [K, G, T, T]
     s = s.masked_fill(pos[None, :] > pos[:, None], float("-inf"))

@@ -139,17 +139,13 @@ def _tile_blocks_kernel(
     tl.store(count_ptr + kh * s_ck + tile, count)
 
 
-def tile_blocks(
-    block_ids: torch.Tensor, bq: int, n_blocks: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_blocks(block_ids: torch.Tensor, bq: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The union of the selected blocks of each tile of `bq` queries, per group.
 
-    block_ids [K, T, k] (-1 = unused) -> (blocks [K, NT, U] int32 ascending, padded with a large
-    id; count [K, NT] int32). No host synchronisation. Given `n_blocks` (ids are below it), one
-    Triton launch; else `tile_blocks_ref`'s sorts.
+    block_ids [K, T, k] (-1 = unused), ids below `n_blocks` -> (blocks [K, NT, U] int32
+    ascending, padded with a large id; count [K, NT] int32). One Triton launch, no host
+    synchronisation; `tile_blocks_ref` is the reference.
     """
-    if n_blocks is None or not (block_ids.is_cuda or interpreted()):
-        return tile_blocks_ref(block_ids, bq)
     kh, t, k = block_ids.shape
     nt = -(-t // bq)
     sel = block_ids.to(torch.int32).contiguous()
@@ -164,7 +160,7 @@ def tile_blocks(
 
 
 def tile_blocks_ref(block_ids: torch.Tensor, bq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`tile_blocks` with PyTorch sorts."""
+    """`tile_blocks` with PyTorch sorts (the reference)."""
     kh, t, k = block_ids.shape
     nt = -(-t // bq)
     ids = torch.nn.functional.pad(block_ids, (0, 0, 0, nt * bq - t), value=-1).reshape(kh, nt, bq * k)

@@ -91,7 +91,7 @@ class Attention(nn.Module):
                 args.index_init_blocks,
             )
 
-    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """x [T, C] -> q [T, H, D], k and v [T, K, D] and, on sparse layers, index queries
         [T, K, Di] and keys [T, Di] (else None): projections, per-head norms and RoPE."""
         t, eps = x.shape[0], self.q_norm.eps
@@ -107,7 +107,7 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        q, k, v, iq, ik = self._project(x, cos, sin)
+        q, k, v, iq, ik = self.project(x, cos, sin)
         outs, start = [], 0
         for seq, n in enumerate(batch.q_lens):
             rows = slice(start, start + n)
@@ -148,7 +148,7 @@ class Attention(nn.Module):
         """One new token per sequence over the paged caches (GPU kernels; no host sync): [B, C] -> [B, C]."""
         from m3lm.kernels import msa_triton
 
-        q, k, v, iq, ik = self._project(x, cos, sin)
+        q, k, v, iq, ik = self.project(x, cos, sin)
         cache, layer = dec.cache, self.layer_idx
         cache.k[layer][dec.pages, dec.slots] = k.to(cache.k[layer].dtype)
         cache.v[layer][dec.pages, dec.slots] = v.to(cache.v[layer].dtype)
