@@ -6,12 +6,14 @@ tensor cores for T <= 16, "tile" for any T) and prints each variant's best with 
 reaches over the weight bytes (fp8 + scales), beside the current default, the tile kernel's
 earlier decode choice ("before") and the bf16 product (cuBLAS) on the same shape. For the gate/up
 shapes, the packed gate+up weight with act="swiglu" (one launch) under the default too.
-MoE: 1 and 64 tokens, 128 experts [3072, 6144] gate/up and [6144, 3072] down, top 4: the fused
-fp8 gate/up + SwiGLU and the fp8 down GEMM under a small grid of tiles, against the bf16
+MoE: 1, 16 and 64 tokens, 128 experts [3072, 6144] gate/up and [6144, 3072] down, top 4: the
+fused fp8 gate/up + SwiGLU and the fp8 down GEMM under a grid of tiles, against the bf16
 `moe_triton` kernels under their tuned tiles.
 
-Times are `triton.testing.do_bench` medians with the L2 flushed before each call (as in a
-decode step, where every layer's weights arrive cold). The winners go into
+Dense times are `triton.testing.do_bench` medians with the L2 flushed before each call (as in a
+decode step, where every layer's weights arrive cold); they include each launch's own overhead,
+which a CUDA graph removes, so small kernels read slower here than in the decode step. MoE times
+are per call inside a CUDA graph of calls on different routings (`graph_us`). The winners go into
 `m3lm/kernels/fp8_triton.py` (GEMV_TILES, GEMV_MIN_BN, GEMV_PROGRAMS_PER_SM) and
 `m3lm/kernels/moe_fp8_triton.py::tiles`.
 
@@ -46,10 +48,11 @@ SHAPES = {  # name: weight [O, In]
 }
 TOKENS = (1, 4, 16, 64)
 EXPERTS, HIDDEN, WIDTH, TOP_K = 128, 6144, 3072, 4
-MOE_TOKENS = (1, 64)
+MOE_TOKENS = (1, 16, 64)
+MOE_SETS = 8  # routings per timed graph
 MOE_TILES = [  # (BN, BK, warps, stages, swap), BLOCK_M 16
     (bn, bk, 4, stages, swap)
-    for bn, bk, stages, swap in itertools.product((32, 64, 128), (128, 256), (3, 4), (False, True))
+    for bn, bk, stages, swap in itertools.product((16, 32, 64, 128), (128, 256, 512), (3, 4), (False, True))
 ]
 
 
@@ -147,7 +150,37 @@ def dense(log: Log, sms: int, rows=TOKENS) -> None:
             del q, s
 
 
+def graph_us(fns: list) -> float | None:
+    """Median us per call of fns captured back to back in one CUDA graph (as a decode step runs
+    them: no launch overhead between kernels), None when a configuration does not compile."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in fns:
+                fn()
+    except Exception:
+        return None
+    graph.replay()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2] / len(fns) * 1e3
+
+
 def moe(log: Log) -> None:
+    """Each configuration timed over MOE_SETS routings in one graph: every call reads other
+    experts, so the weights come from HBM as in a decode step."""
     from m3lm.kernels import moe_fp8_triton as mf
     from m3lm.kernels import moe_triton as mt
 
@@ -158,35 +191,39 @@ def moe(log: Log) -> None:
     b1, b3 = (bf16_weight(EXPERTS, WIDTH, HIDDEN) for _ in range(2))
     b2 = bf16_weight(EXPERTS, HIDDEN, WIDTH)
     for t in MOE_TOKENS:
-        ids = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(t)])
-        x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
-        h = torch.randn(t * TOP_K, WIDTH, device="cuda", dtype=torch.bfloat16, generator=gen)
-        m, hit = t * TOP_K, int(ids.unique().numel())
+        m = t * TOP_K
+        sets = []
+        for _ in range(MOE_SETS):
+            ids = torch.stack(
+                [torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(t)]
+            )
+            x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+            h = torch.randn(m, WIDTH, device="cuda", dtype=torch.bfloat16, generator=gen)
+            sets.append((ids, x, h, mt.align(ids, EXPERTS, 16)))
+        hit = sum(int(ids.unique().numel()) for ids, *_ in sets) / MOE_SETS
         (up_m, up16), (down_m, down16) = mt.tiles(m, torch.bfloat16)
         bf16 = {
-            "gate_up": functools.partial(mt.gate_up, x, b1, b3, m, TOP_K, mt.align(ids, EXPERTS, up_m), 1.702, 7.0, up_m, up16),
-            "down": functools.partial(mt.grouped_gemm, h, b2, m, TOP_K, mt.align(ids, EXPERTS, down_m), True, block_m=down_m, config=down16),
+            "gate_up": [functools.partial(mt.gate_up, x, b1, b3, m, TOP_K, mt.align(ids, EXPERTS, up_m), 1.702, 7.0, up_m, up16) for ids, x, _, _ in sets],
+            "down": [functools.partial(mt.grouped_gemm, h, b2, m, TOP_K, mt.align(ids, EXPERTS, down_m), True, block_m=down_m, config=down16) for ids, _, h, _ in sets],
         }  # fmt: skip
-        aligned = mt.align(ids, EXPERTS, 16)
         fp8 = {
-            "gate_up": functools.partial(mf.gate_up_fp8, x, w1, s1, w3, s3, m, TOP_K, aligned, 1.702, 7.0, 16),
-            "down": functools.partial(mf.grouped_gemm_fp8, h, w2, s2, m, TOP_K, aligned, True, block_m=16),
+            "gate_up": lambda cfg, m=m, sets=sets: [functools.partial(mf.gate_up_fp8, x, w1, s1, w3, s3, m, TOP_K, al, 1.702, 7.0, 16, cfg) for _, x, _, al in sets],
+            "down": lambda cfg, m=m, sets=sets: [functools.partial(mf.grouped_gemm_fp8, h, w2, s2, m, TOP_K, al, True, block_m=16, config=cfg) for _, _, h, al in sets],
         }  # fmt: skip
         for i, (name, mats) in enumerate((("gate_up", 2), ("down", 1))):
             count = mats * hit * WIDTH * HIDDEN  # weights of the touched experts
             default = mf.tiles(m, torch.bfloat16)[i][1]
-            ms_default = timed(functools.partial(fp8[name], config=default))
-            ok = sorted(
-                (ms, cfg)
-                for cfg in MOE_TILES
-                if (ms := timed(functools.partial(fp8[name], config=cfg))) is not None
-            )
-            best = f"best {ok[0][1]} {rate(ok[0][0], count * (1 + 1 / 32))}" if ok else "no tile ran"
+            ok = sorted((us, cfg) for cfg in MOE_TILES if (us := graph_us(fp8[name](cfg))) is not None)
+            best = f"best {ok[0][1]} {rate_us(ok[0][0], count * (1 + 1 / 32))}" if ok else "no tile ran"
             log(
-                f"MoE T={t:2d} {name:7s} ({hit} experts): bf16 {rate(timed(bf16[name]), 2 * count)}; "
-                f"fp8 default {default} {rate(ms_default, count * (1 + 1 / 32))}; {best}; "
-                f"{len(ok)} of {len(MOE_TILES)} ran"
+                f"MoE T={t:2d} {name:7s} ({hit:.1f} experts): bf16 {rate_us(graph_us(bf16[name]), 2 * count)}; "
+                f"fp8 default {default} {rate_us(graph_us(fp8[name](default)), count * (1 + 1 / 32))}; {best}; "
+                f"next {', '.join(f'{us:.1f}' for us, _ in ok[1:4])} us; {len(ok)} of {len(MOE_TILES)} ran"
             )
+
+
+def rate_us(us: float | None, nbytes: float) -> str:
+    return "failed" if us is None else f"{us:6.1f} us ({nbytes / us / 1e6:4.2f} TB/s)"
 
 
 def main() -> None:
@@ -194,6 +231,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="also append the lines as a dated Markdown section to this file")
     p.add_argument("--dry-run", action="store_true", help="list the shapes and configurations, touch no GPU")
     p.add_argument("--skip-moe", action="store_true")
+    p.add_argument("--skip-dense", action="store_true")
     p.add_argument("--rows", type=int, nargs="*", default=list(TOKENS), help="row counts of the dense shapes")
     args = p.parse_args()
     if args.dry_run:
@@ -206,7 +244,8 @@ def main() -> None:
         return
     log = Log()
     props = torch.cuda.get_device_properties(0)
-    dense(log, props.multi_processor_count, args.rows)
+    if not args.skip_dense:
+        dense(log, props.multi_processor_count, args.rows)
     if not args.skip_moe:
         moe(log)
     if args.out:

@@ -153,7 +153,7 @@ def _mxfp8_matmul_kernel(
     x_ptr, q_ptr, s_ptr, y_ptr,
     T, N, KDIM, s_xt, s_qo, s_so, s_yt, alpha, limit,
     KLOOP: tl.constexpr, EVEN_K: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """y tile [BM, BN] = x[BM rows] @ W[BN outputs].T on the tensor cores (see `_mxfp8_gemv_kernel`)."""
     pid_m = tl.program_id(0)
@@ -161,7 +161,9 @@ def _mxfp8_matmul_kernel(
     offs_m = pid_m * BM + tl.arange(0, BM)
     rows, row_ok = _weight_rows(pid_n, N, BN, G)
     acc = tl.zeros([BM, G * BN], tl.float32)
-    for k0 in range(0, KLOOP if KLOOP else KDIM, BK):
+    # An explicit pipelining depth, so that the weight loads (which feed the dot only through
+    # the dequantisation) are prefetched too.
+    for k0 in tl.range(0, KLOOP if KLOOP else KDIM, BK, num_stages=STAGES):
         kk = k0 + tl.arange(0, BK)
         x = tl.load(
             x_ptr + offs_m[:, None] * s_xt + kk[None, :],
@@ -235,7 +237,7 @@ def mxfp8_matmul(
     cfg = config or matmul_config(t, n, kdim, sm_count(x.device), act is not None)
     common = dict(
         KLOOP=kdim if interpreted() else 0, EVEN_K=kdim % cfg.bk == 0, G=g, PREC=precision(x),
-        BN=cfg.bn, BK=cfg.bk, num_warps=cfg.warps, num_stages=cfg.stages,
+        BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     args = (x, q, scale, y, t, n, kdim, x.stride(0), q.stride(0), scale.stride(0), y.stride(0), alpha, limit)
     if cfg.kernel == "tile":
@@ -244,5 +246,5 @@ def mxfp8_matmul(
         assert t <= GEMV_MAX_T, "the GEMV kernel holds at most 16 rows"
         dot = cfg.kernel == "gemv_tc"
         bt = 16 if dot else triton.next_power_of_2(t)
-        _mxfp8_gemv_kernel[(triton.cdiv(n, cfg.bn),)](*args, DOT=dot, BT=bt, STAGES=cfg.stages, **common)
+        _mxfp8_gemv_kernel[(triton.cdiv(n, cfg.bn),)](*args, DOT=dot, BT=bt, **common)
     return y

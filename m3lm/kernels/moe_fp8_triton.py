@@ -19,7 +19,7 @@ import triton.language as tl
 
 from m3lm.kernels.fp8_triton import dequant_tile, swiglu
 from m3lm.kernels.host import precision
-from m3lm.kernels.moe_triton import align
+from m3lm.kernels.moe_triton import align, row_blocks
 
 
 @triton.jit
@@ -78,7 +78,7 @@ def _moe_fp8_gate_up_kernel(
     M, TOP_K, alpha, limit,
     s_am, s_we, s_wn, s_se, s_sn, s_hm,
     N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """h[pair] = swiglu(a[token] @ W1[e].T, a[token] @ W3[e].T): both products from one read of a."""
     pid_m = tl.program_id(0)
@@ -90,7 +90,7 @@ def _moe_fp8_gate_up_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     gate = tl.zeros([BN if SWAP else BM, BM if SWAP else BN], tl.float32)  # [BM, BN], or [BN, BM]
     up = tl.zeros_like(gate)
-    for k0 in range(0, KDIM, BK):
+    for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):  # dequantised loads prefetched too
         a = _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM, BK)
         w1 = _expert_tile(w1_ptr, s1_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn, N, KDIM, BN, BK)
         gate = _acc_dot(gate, a, w1, SWAP, PREC)
@@ -109,7 +109,7 @@ def _moe_fp8_gemm_kernel(
     M, TOP_K,
     s_am, s_we, s_wn, s_se, s_sn, s_cm,
     N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """c[pair] = a[row] @ W[e].T (times scale[pair]); row = the pair (PAIR_ROWS) or its token."""
     pid_m = tl.program_id(0)
@@ -120,7 +120,7 @@ def _moe_fp8_gemm_kernel(
     rows = pairs if PAIR_ROWS else pairs // TOP_K
     offs_n = pid_n * BN + tl.arange(0, BN)
     acc = tl.zeros([BN if SWAP else BM, BM if SWAP else BN], tl.float32)
-    for k0 in range(0, KDIM, BK):
+    for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):  # dequantised loads prefetched too
         a = _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM, BK)
         w = _expert_tile(w_ptr, s_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn, N, KDIM, BN, BK)
         acc = _acc_dot(acc, a, w, SWAP, PREC)
@@ -135,26 +135,28 @@ def _moe_fp8_gemm_kernel(
 def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tuple]]:
     """((BLOCK_M, tile) of the gate/up kernel, (BLOCK_M, tile) of the down GEMM) for M pairs.
 
-    A tile is (BN, BK, warps, stages, swap). Wide K and the weight on the tensor cores' wide side
-    for a few rows (decode reads weights), larger tiles for many; the candidates are
-    `benchmarks/fp8_configs.py`'s (its 4-pair winners did not speed up the captured decode step). fp32 (tests, CPU-sized models) takes small tiles that fit
-    in shared memory.
+    A tile is (BN, BK, warps, stages, swap). Decode (up to 1024 pairs) reads weights: narrow
+    output tiles and wide K, the winners of `benchmarks/fp8_configs.py`'s MoE sweep timed inside a
+    CUDA graph at 1, 16 and 64 tokens; prefill multiplies: larger tiles. fp32 (tests, CPU-sized
+    models) takes small tiles that fit in shared memory.
     """
     if dtype == torch.float32:
         return (16, (64, 64, 4, 2, False)), (16, (64, 64, 4, 2, False))
-    if m <= 64:
-        return (16, (64, 256, 4, 3, True)), (16, (64, 256, 4, 3, True))
+    if m <= 16:
+        return (16, (32, 256, 4, 3, False)), (16, (64, 256, 4, 3, False))
     if m <= 1024:
-        return (16, (128, 128, 4, 4, False)), (16, (128, 128, 4, 4, False))
+        return (16, (64, 256, 4, 3, False)), (16, (64, 256, 4, 4, False))
     return (64, (128, 64, 4, 3, False)), (64, (128, 64, 4, 3, False))
 
 
-def _launch_shape(aligned, w, block_m: int, config: tuple):
+def _launch_shape(aligned, w, m: int, block_m: int, config: tuple):
     n, kdim = w.shape[1], w.shape[2]
     bn, bk, warps, stages, swap = config
-    grid = (aligned[0].numel() // block_m, triton.cdiv(n, bn))
+    grid = (row_blocks(aligned, m, block_m), triton.cdiv(n, bn))
     bk = min(bk, max(32, triton.next_power_of_2(kdim)))
-    meta = dict(N=n, KDIM=kdim, BM=block_m, BN=bn, BK=bk, SWAP=swap, num_warps=warps, num_stages=stages)
+    meta = dict(
+        N=n, KDIM=kdim, BM=block_m, BN=bn, BK=bk, SWAP=swap, STAGES=stages, num_warps=warps, num_stages=stages
+    )
     return grid, meta
 
 
@@ -163,7 +165,7 @@ def gate_up_fp8(x, w1, s1, w3, s3, m, top_k, aligned, alpha, limit, block_m, con
     assert w1.shape == w3.shape and w1.stride() == w3.stride() and s1.stride() == s3.stride()
     sorted_ids, block_expert, used = aligned
     h = torch.empty(m, w1.shape[1], device=x.device, dtype=x.dtype)
-    grid, meta = _launch_shape(aligned, w1, block_m, config)
+    grid, meta = _launch_shape(aligned, w1, m, block_m, config)
     _moe_fp8_gate_up_kernel[grid](
         x, w1, s1, w3, s3, h, sorted_ids, block_expert, used, m, top_k, alpha, limit,
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
@@ -178,7 +180,7 @@ def grouped_gemm_fp8(
     """c[pair] = a[row of pair] @ dequant(w, ws)[expert of pair].T (times scale[pair]) -> [M, N]."""
     sorted_ids, block_expert, used = aligned
     c = torch.empty(m, w.shape[1], device=a.device, dtype=out_dtype or a.dtype)
-    grid, meta = _launch_shape(aligned, w, block_m, config or tiles(m, a.dtype)[1][1])
+    grid, meta = _launch_shape(aligned, w, m, block_m, config or tiles(m, a.dtype)[1][1])
     _moe_fp8_gemm_kernel[grid](
         a, w, ws, c, sorted_ids, block_expert, used, scale if scale is not None else c,
         m, top_k, a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), c.stride(0),

@@ -251,13 +251,20 @@ def _align_m(aligned: tuple, block_m: int) -> int:
     return align_m
 
 
+def row_blocks(aligned: tuple, m: int, block_m: int) -> int:
+    """Row blocks to launch: each aligned group holds at least one of the M pairs, so only the
+    first M groups can be used (a decode step launches a few rows of programs, not one per expert)."""
+    align_m = _align_m(aligned, block_m)
+    return min(aligned[0].numel(), m * align_m) // block_m
+
+
 def gate_up(x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config) -> torch.Tensor:
     """SwiGLU activations [M, I] of every token-expert pair (x.dtype)."""
     sorted_ids, block_expert, used = aligned
     n, kdim = w1.shape[1], w1.shape[2]
     h = torch.empty(m, n, device=x.device, dtype=x.dtype)
     bn, bk, warps, stages, group = config
-    _moe_gate_up_kernel[(sorted_ids.numel() // block_m * triton.cdiv(n, bn),)](
+    _moe_gate_up_kernel[(row_blocks(aligned, m, block_m) * triton.cdiv(n, bn),)](
         x, w1, w3, h, sorted_ids, block_expert, used, m, top_k, alpha, limit,
         x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
         N=n, KDIM=kdim, PREC=precision(x), BM=block_m, BN=bn, BK=bk, ALIGN_M=_align_m(aligned, block_m),
@@ -283,7 +290,7 @@ def grouped_gemm(
     n, kdim = w.shape[1], w.shape[2]
     c = torch.empty(m, n, device=a.device, dtype=out_dtype or a.dtype)
     bn, bk, warps, stages, group = config
-    grid = (sorted_ids.numel() // block_m * triton.cdiv(n, bn),)
+    grid = (row_blocks(aligned, m, block_m) * triton.cdiv(n, bn),)
     _moe_gemm_kernel[grid](
         a, w, c, sorted_ids, block_expert, used, scale if scale is not None else c,
         m, top_k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
