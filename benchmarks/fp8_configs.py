@@ -10,9 +10,10 @@ MoE: 1, 16 and 64 tokens, 128 experts [3072, 6144] gate/up and [6144, 3072] down
 fused fp8 gate/up + SwiGLU and the fp8 down GEMM under a grid of tiles, against the bf16
 `moe_triton` kernels under their tuned tiles.
 
-Times are per call inside a CUDA graph of back-to-back calls (`graph_us`), as a decode step runs
-them, each call reading other weights (dense: copies cycled past the L2; MoE: other routings),
-so the weights come from HBM as they do when every layer's arrive cold. The winners go into
+Dense times are `triton.testing.do_bench` medians with the L2 flushed before each call (as in a
+decode step, where every layer's weights arrive cold); they include each launch's own overhead,
+which a CUDA graph removes, so small kernels read slower here than in the decode step. MoE times
+are per call inside a CUDA graph of calls on different routings (`graph_us`). The winners go into
 `m3lm/kernels/fp8_triton.py` (GEMV_TILES, GEMV_MIN_BN, GEMV_PROGRAMS_PER_SM) and
 `m3lm/kernels/moe_fp8_triton.py::tiles`.
 
@@ -81,6 +82,14 @@ def before(t: int, o: int, kdim: int, sms: int) -> Config:
     return Config("tile", bn, min(256, triton.next_power_of_2(kdim)), 4, 4, bm=16)
 
 
+def timed(fn) -> float | None:
+    """Median ms of fn, None when the configuration does not compile or launch (resources)."""
+    try:
+        return triton.testing.do_bench(fn, warmup=3, rep=15, return_mode="median")
+    except Exception:
+        return None
+
+
 def mxfp8(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random e4m3 values and E8M0 exponents near 2^-5 (bytes are what matter, not values)."""
     q = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 0.5).to(torch.float8_e4m3fn)
@@ -98,6 +107,47 @@ class Log:
     def __call__(self, line: str) -> None:
         print(line, flush=True)
         self.lines.append(line)
+
+
+def rate(ms: float | None, nbytes: float) -> str:
+    """'12.3 us (4.10 TB/s)' over nbytes, or 'failed'."""
+    return "failed" if ms is None else f"{ms * 1e3:6.1f} us ({nbytes / ms / 1e9:4.2f} TB/s)"
+
+
+def dense(log: Log, sms: int, rows=TOKENS) -> None:
+    for t in rows:
+        x = torch.randn(t, max(k for _, k in SHAPES.values()), device="cuda", dtype=torch.bfloat16)
+        for name, (o, kdim) in SHAPES.items():
+            q, s = mxfp8(o, kdim)
+            xk = x[:, :kdim].contiguous()
+            nbytes = o * kdim * (1 + 1 / 32)  # fp8 values + E8M0 exponents
+            w16 = bf16_weight(o, kdim)
+            cublas = timed(functools.partial(torch.nn.functional.linear, xk, w16))
+            del w16
+            default = matmul_config(t, o, kdim, sms)
+            run = functools.partial(mxfp8_matmul, xk, q, s)
+            log(
+                f"T={t:2d} {name:14s} [{o:5d}, {kdim:5d}]: bf16 cuBLAS {rate(cublas, 2 * o * kdim)}; "
+                f"fp8 default {default} {rate(timed(functools.partial(run, default)), nbytes)}; "
+                f"before {rate(timed(functools.partial(run, before(t, o, kdim, sms))), nbytes)}"
+            )
+            for variant, configs in dense_grid(t).items():
+                ok = sorted((ms, c) for c in configs if (ms := timed(functools.partial(run, c))) is not None)
+                if not ok:
+                    log(f"    {variant:7s}: no configuration ran")
+                    continue
+                (ms, cfg), others = ok[0], ", ".join(f"{m * 1e3:.1f}" for m, _ in ok[1:4])
+                log(
+                    f"    {variant:7s}: best {cfg} {rate(ms, nbytes)}; next {others} us; {len(ok)} of {len(configs)} ran"
+                )
+            if "gate/up" in name:  # gate and up packed: one launch writes swiglu(gate, up)
+                q2, s2 = mxfp8(2 * o, kdim)
+                ms = timed(functools.partial(mxfp8_matmul, xk, q2, s2, act="swiglu"))
+                log(
+                    f"    packed gate+up, act=swiglu, {matmul_config(t, o, kdim, sms, act=True)}: {rate(ms, 2 * nbytes)}"
+                )
+                del q2, s2
+            del q, s
 
 
 def graph_us(fns: list) -> float | None:
@@ -126,49 +176,6 @@ def graph_us(fns: list) -> float | None:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2] / len(fns) * 1e3
-
-
-def copies(nbytes: float) -> int:
-    """Weights to cycle through so that a graph's calls read them from HBM, not L2 (50 MB)."""
-    return max(2, -(-int(120e6) // int(nbytes)))
-
-
-def dense(log: Log, sms: int, rows=TOKENS) -> None:
-    for t in rows:
-        x = torch.randn(t, max(k for _, k in SHAPES.values()), device="cuda", dtype=torch.bfloat16)
-        for name, (o, kdim) in SHAPES.items():
-            nbytes = o * kdim * (1 + 1 / 32)  # fp8 values + E8M0 exponents
-            ws = [mxfp8(o, kdim) for _ in range(copies(nbytes))]
-            xk = x[:, :kdim].contiguous()
-            w16 = [bf16_weight(o, kdim) for _ in range(copies(2 * o * kdim))]
-            cublas = graph_us([functools.partial(torch.nn.functional.linear, xk, w) for w in w16])
-            del w16
-
-            def run(cfg, act=None, ws=ws, xk=xk):
-                return [functools.partial(mxfp8_matmul, xk, q, s, cfg, act) for q, s in ws]
-
-            default = matmul_config(t, o, kdim, sms)
-            log(
-                f"T={t:2d} {name:14s} [{o:5d}, {kdim:5d}]: bf16 cuBLAS {rate_us(cublas, 2 * o * kdim)}; "
-                f"fp8 default {default} {rate_us(graph_us(run(default)), nbytes)}; "
-                f"before {rate_us(graph_us(run(before(t, o, kdim, sms))), nbytes)}"
-            )
-            for variant, configs in dense_grid(t).items():
-                ok = sorted((us, c) for c in configs if (us := graph_us(run(c))) is not None)
-                if not ok:
-                    log(f"    {variant:7s}: no configuration ran")
-                    continue
-                (us, cfg), others = ok[0], ", ".join(f"{u:.1f}" for u, _ in ok[1:4])
-                log(
-                    f"    {variant:7s}: best {cfg} {rate_us(us, nbytes)}; next {others} us; {len(ok)} of {len(configs)} ran"
-                )
-            if "gate/up" in name:  # gate and up packed: one launch writes swiglu(gate, up)
-                ws = [mxfp8(2 * o, kdim) for _ in range(copies(2 * nbytes))]
-                us = graph_us(run(None, "swiglu", ws))
-                log(
-                    f"    packed gate+up, act=swiglu, {matmul_config(t, o, kdim, sms, act=True)}: {rate_us(us, 2 * nbytes)}"
-                )
-            del ws
 
 
 def moe(log: Log) -> None:

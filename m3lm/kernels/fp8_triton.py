@@ -63,47 +63,12 @@ GEMV_PROGRAMS_PER_SM = 2
 GEMV_NARROW = Config("gemv", 4, 512, 4, 3)
 
 
-# e4m3 x4 -> bf16 x4 with the block factor applied, in integer and packed bf16 instructions (the
-# hardware's e4m3 -> f16 pair conversion, then no further conversion unit): each f16 pair is
-# re-biased into bf16 by a shift and masks (sign kept; bf16 value = e4m3 value * 2^-112, normal or
-# zero for every e4m3 code), then multiplied by 2^112 and by the block's 2^(s - 127). Every
-# product is exact, so the result equals the fp32 reference rounded to bf16, code for code
-# (`tests/test_cuda.py::test_mxfp8_dequant_every_code`).
-_DEQUANT_PTX = tl.constexpr("""{
-.reg .b16 l, h;
-.reg .b32 a, b, c;
-mov.b32 {l, h}, $2;
-mov.b32 c, 0x77807780;
-cvt.rn.f16x2.e4m3x2 a, l;
-cvt.rn.f16x2.e4m3x2 b, h;
-shr.b32 $0, a, 3;
-and.b32 $0, $0, 0x0FFF0FFF;
-lop3.b32 $0, a, 0x80008000, $0, 0xEA;
-shr.b32 $1, b, 3;
-and.b32 $1, $1, 0x0FFF0FFF;
-lop3.b32 $1, b, 0x80008000, $1, 0xEA;
-mul.rn.bf16x2 $0, $0, c;
-mul.rn.bf16x2 $1, $1, c;
-mul.rn.bf16x2 $0, $0, $3;
-mul.rn.bf16x2 $1, $1, $4;
-}""")
-_PTX = tl.constexpr(not interpreted())  # the interpreter runs no PTX: it takes the fp32 formula
-
-
 @triton.jit
 def dequant_tile(w, s, ROWS: tl.constexpr, BK: tl.constexpr):
-    """fp8 tile [ROWS, BK] and its E8M0 exponents [ROWS, BK/32] -> bf16 [ROWS, BK] (exact: an
-    e4m3 value times a power of two has at most 4 significant bits)."""
-    if _PTX:
-        bits = tl.where(s == 0, 0x40, s.to(tl.uint16) << 7)  # bf16 2^(s - 127); 2^-127 is subnormal
-        f = tl.broadcast_to(bits.to(tl.bfloat16, bitcast=True)[:, :, None], (ROWS, BK // 32, 32))
-        return tl.inline_asm_elementwise(
-            _DEQUANT_PTX, "=r,=r,r,r,r", [w.to(tl.uint8, bitcast=True), tl.reshape(f, (ROWS, BK))],
-            dtype=tl.bfloat16, is_pure=True, pack=4,
-        )  # fmt: skip
+    """fp8 tile [ROWS, BK] and its E8M0 exponents [ROWS, BK/32] -> fp32 [ROWS, BK]."""
     f = tl.exp2(s.to(tl.float32) - 127.0)
     w = tl.reshape(w.to(tl.float32), (ROWS, BK // 32, 32)) * f[:, :, None]
-    return tl.reshape(w, (ROWS, BK)).to(tl.bfloat16)
+    return tl.reshape(w, (ROWS, BK))
 
 
 @triton.jit
@@ -124,7 +89,7 @@ def _weight_rows(pid, N, BN: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K: tl.constexpr, BK: tl.constexpr):
-    """Weight rows `rows` [R], inputs k0..k0+BK, dequantised: bf16 [R, BK] (0 where masked)."""
+    """Weight rows `rows` [R], inputs k0..k0+BK, dequantised: fp32 [R, BK] (0 where masked)."""
     kk = k0 + tl.arange(0, BK)
     kb = k0 // 32 + tl.arange(0, BK // 32)
     w_ptrs = q_ptr + rows[:, None] * s_qo + kk[None, :]

@@ -46,7 +46,7 @@ def _expert_tile(
     w_ptr, s_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn,
     N: tl.constexpr, KDIM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """Expert e's weight rows offs_n [BN], inputs k0..k0+BK, dequantised: bf16 [BN, BK]."""
+    """Expert e's weight rows offs_n [BN], inputs k0..k0+BK, dequantised: fp32 [BN, BK]."""
     kk = k0 + tl.arange(0, BK)
     kb = k0 // 32 + tl.arange(0, BK // 32)
     n_ok = offs_n[:, None] < N
