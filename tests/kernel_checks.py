@@ -12,7 +12,7 @@ import torch
 
 from m3lm.kernels import fused, moe_triton, msa_triton
 from m3lm.kernels.fp8 import dequant_mxfp8, dequant_rows_fp8, quantize_mxfp8, quantize_rows_fp8
-from m3lm.kernels.fp8_triton import Config, mxfp8_matmul, pack_gate_up
+from m3lm.kernels.fp8_triton import DEQUANT_MIN_T, Config, dequantize, mxfp8_matmul, pack_gate_up
 from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.moe_fp8_triton import moe_experts_fp8, moe_pairs_fp8
 from m3lm.kernels.moe_triton import moe_experts
@@ -177,11 +177,15 @@ def fp8_kernels():
         (3, 24, 256, Config("tile", 16, 64, 4, 1)),
     ]
     cases += [(t, 40, 96, None) for t in (1, 2, 16)]  # the default GEMV tiles
+    cases += [(DEQUANT_MIN_T, 40, 96, None)]  # dequantised once, then a plain matmul
     cases += [(t, o, k, Config(kind, bn, bk, 4, 1)) for t in (1, 2, 16) for kind, o, k, bn, bk in gemv]
     for t, o, k, config in cases:
         q, s = mxfp8_weight(o, k)
         x = torch.randn(t, k)
         close(mxfp8_matmul(x, q, s, config), x @ dequant_mxfp8(q, s).T)
+    q, s = mxfp8_weight(40, 160)
+    s[:, 1::2] += 3  # neighbouring blocks at other exponents
+    assert torch.equal(dequantize(q, s, torch.float32), dequant_mxfp8(q, s))
     for t, config in [
         (1, None),
         (2, Config("gemv", 8, 64, 4, 1)),

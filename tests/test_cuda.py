@@ -258,7 +258,7 @@ def test_prefill_kernel_matches_reference(dtype, h, k, d, s, topk, tk, t):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("t", "o", "k"), [(1, 512, 6144), (1, 6144, 3072), (64, 3072, 6144), (300, 200, 512)]
+    ("t", "o", "k"), [(1, 512, 6144), (1, 6144, 3072), (64, 3072, 6144), (300, 200, 512), (1500, 200, 544)]
 )
 def test_fp8_matmul_matches_dequantised_reference(dtype, t, o, k):
     from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
@@ -269,6 +269,19 @@ def test_fp8_matmul_matches_dequantised_reference(dtype, t, o, k):
     x = torch.randn(t, k, generator=gen).to(DEV, dtype)
     ref = x.float() @ dequant_mxfp8(q, s).T
     assert rel(mxfp8_matmul(x, q, s), ref) < (1e-4 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_dequantize_is_exact(dtype):
+    """The prefill path's one-launch dequantisation equals the reference, value for value."""
+    from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
+    from m3lm.kernels.fp8_triton import dequantize
+
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    q, s = quantize_mxfp8(torch.randn(200, 544, generator=gen) * 0.02)
+    s[:, 1::3] += 2
+    q, s = q.to(DEV), s.to(DEV)
+    assert torch.equal(dequantize(q, s, dtype), dequant_mxfp8(q, s, dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

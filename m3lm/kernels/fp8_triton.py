@@ -2,7 +2,7 @@
 
 Hopper has no MX block-scaled tensor-core instructions, so MXFP8 weights are read as 8-bit
 values plus one E8M0 exponent per 32 inputs, dequantised in registers (times 2^(e - 127)) and
-multiplied with fp32 accumulation. Two kernels:
+multiplied with fp32 accumulation. Three paths:
 
 - `_mxfp8_gemv_kernel`, for a few rows (decode, T <= 16): many programs, each owning a slice of
   the weight's output rows and all T rows of x; wide contiguous K loads (16-byte fp8 vectors).
@@ -10,6 +10,9 @@ multiplied with fp32 accumulation. Two kernels:
   at the end), "gemv_tc" on the tensor cores with the weight as the wide operand and x's rows
   padded to 16. No split-K: every output is summed by one program, in a fixed order.
 - `_mxfp8_matmul_kernel` ("tile"), for any T: BM x BN output tiles on the tensor cores.
+- From DEQUANT_MIN_T rows (prefill), `dequantize` writes the bf16 weight once and the vendor
+  GEMM multiplies: the product is compute-bound there, and the tile kernel would dequantise
+  each weight tile once per row block.
 
 Both can apply the clamped SwiGLU of `layers/mlp.py` to a weight packed as [gate rows; up rows]
 (`pack_gate_up`): a program reads the gate and up rows of its outputs and writes swiglu(gate, up).
@@ -61,6 +64,10 @@ GEMV_PROGRAMS_PER_SM = 2
 # Fewer outputs than 16 x the SMs, too few for 16-row tensor-core tiles to fill the GPU (the k/v
 # projections): the CUDA cores, one warp a row (BN = warps, BK = 32 lanes x 16 bytes).
 GEMV_NARROW = Config("gemv", 4, 512, 4, 3)
+# From this many rows (prefill) a product is compute-bound: the weight is dequantised to bf16 once
+# (`dequantize`, one read of the 8-bit bytes) and multiplied by the vendor GEMM at bf16 speed,
+# instead of dequantising every tile once per row block in the tile kernel.
+DEQUANT_MIN_T = 1024
 
 
 @triton.jit
@@ -101,6 +108,29 @@ def _weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K: tl.co
         w = tl.load(w_ptrs, mask=row_ok[:, None] & (kk[None, :] < KDIM), other=0.0)
         s = tl.load(s_ptrs, mask=row_ok[:, None] & (kb[None, :] < KDIM // 32), other=0)
     return dequant_tile(w, s, rows.shape[0], BK)
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, w_ptr, N, KDIM, BN: tl.constexpr, BK: tl.constexpr):
+    """w[BN rows, BK inputs] = dequant(q, s) for this program's tile, in w's dtype."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * BK
+    w = _weight_tile(q_ptr, s_ptr, rows, rows < N, k0, KDIM, KDIM, KDIM // 32, False, BK)
+    kk = k0 + tl.arange(0, BK)
+    out = w_ptr + rows[:, None].to(tl.int64) * KDIM + kk[None, :]
+    tl.store(out, w.to(w_ptr.dtype.element_ty), mask=(rows[:, None] < N) & (kk[None, :] < KDIM))
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`fp8.dequant_mxfp8` in one launch: q [O, In] e4m3 + scale [O, In/32] -> [O, In] in dtype."""
+    o, kdim = q.shape
+    assert kdim % MX_BLOCK == 0 and scale.shape == (o, kdim // MX_BLOCK) and q.numel() < 2**31
+    w = torch.empty(o, kdim, device=q.device, dtype=dtype)
+    bn, bk = 32, 128
+    _dequant_kernel[(triton.cdiv(o, bn), triton.cdiv(kdim, bk))](
+        q.contiguous(), scale.contiguous(), w, o, kdim, BN=bn, BK=bk
+    )
+    return w
 
 
 @triton.jit
@@ -233,6 +263,8 @@ def mxfp8_matmul(
     n = rows // g
     assert n * g == rows
     x = x.contiguous()
+    if config is None and act is None and t >= DEQUANT_MIN_T:
+        return torch.nn.functional.linear(x, dequantize(q, scale, x.dtype))
     y = torch.empty(t, n, device=x.device, dtype=x.dtype)
     cfg = config or matmul_config(t, n, kdim, sm_count(x.device), act is not None)
     common = dict(
