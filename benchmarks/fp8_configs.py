@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import report
 
+from m3lm.bench import _graph_ms
 from m3lm.kernels.fp8_triton import GEMV_MAX_T, Config, matmul_config, mxfp8_matmul
 
 SHAPES = {  # name: weight [O, In]
@@ -154,28 +155,9 @@ def graph_us(fns: list) -> float | None:
     """Median us per call of fns captured back to back in one CUDA graph (as a decode step runs
     them: no launch overhead between kernels), None when a configuration does not compile."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for fn in fns:
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for fn in fns:
-                fn()
+        return _graph_ms(lambda: [fn() for fn in fns], 20) * 1e3 / len(fns)
     except Exception:
         return None
-    graph.replay()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2] / len(fns) * 1e3
 
 
 def moe(log: Log) -> None:

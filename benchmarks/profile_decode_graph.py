@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from m3lm.bench import _fill, _time, build_slice
+from m3lm.bench import _fill, _time, build_slice, captured_decode
 from m3lm.cache.kv_cache import KVCache
-from m3lm.engine.cuda_graphs import DecodeGraphs
 from m3lm.models.minimax_m3 import keep_mxfp8_
 
 
@@ -37,14 +36,11 @@ def main() -> None:
     pages = math.ceil(args.ctx / model.args.index_block_size)
     cache = KVCache(model.args, args.batch * pages + 1, "cuda", torch.bfloat16)
     _fill(cache, torch.Generator(device="cuda").manual_seed(1))
-    tables = [list(range(i * pages, (i + 1) * pages)) for i in range(args.batch)]
     for quant in ("bf16", "mxfp8"):
         if quant == "mxfp8":
             keep_mxfp8_(model, quantize=True)
             torch.cuda.empty_cache()
-        graphs = DecodeGraphs(model, cache, args.batch, pages, args.batch * pages)
-        graphs.run([5] * args.batch, [args.ctx - 1] * args.batch, tables)
-        graph, _ = graphs._graphs[graphs.bucket(args.batch)]
+        graphs, graph = captured_decode(model, cache, args.batch, pages, args.ctx)
         ms = _time(graph.replay, 20)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):

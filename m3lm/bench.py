@@ -206,16 +206,22 @@ def parts_line(case: str, step_ms: float, parts: dict, n_layers: int) -> str:
     )
 
 
+def captured_decode(model: MiniMaxM3, cache: KVCache, batch: int, pages: int, ctx: int):
+    """The engine's captured decode step for `batch` sequences of `pages` pages at position ctx - 1,
+    run once: (the DecodeGraphs that own it, the CUDA graph to replay)."""
+    graphs = DecodeGraphs(model, cache, batch, pages, batch * pages)
+    tables = [list(range(i * pages, (i + 1) * pages)) for i in range(batch)]
+    tokens = torch.randint(0, model.args.vocab_size, (batch,)).tolist()
+    graphs.run(tokens, [ctx - 1] * batch, tables)
+    return graphs, graphs._graphs[graphs.bucket(batch)][0]
+
+
 def bench_decode(model: MiniMaxM3, batch: int, ctx: int, iters: int) -> Row:
     s = model.args.index_block_size
     pages = math.ceil(ctx / s)
     cache = KVCache(model.args, batch * pages + 1, "cuda", torch.bfloat16)
     _fill(cache, torch.Generator(device="cuda").manual_seed(1))
-    graphs = DecodeGraphs(model, cache, batch, pages, batch * pages)
-    tables = [list(range(i * pages, (i + 1) * pages)) for i in range(batch)]
-    tokens = torch.randint(0, model.args.vocab_size, (batch,)).tolist()
-    graphs.run(tokens, [ctx - 1] * batch, tables)
-    graph, _ = graphs._graphs[graphs.bucket(batch)]
+    graphs, graph = captured_decode(model, cache, batch, pages, ctx)
     ms = _time(graph.replay, iters)
     del graphs
     parts = decode_parts(model, cache, batch, pages, ctx, iters)
