@@ -315,7 +315,7 @@ def run(args) -> tuple[list[Row], list[str]]:
                 for row in bench_attention(model, t, max(3, args.iters // 5)):
                     rows.append(row)
                     print(" | ".join(row.cells()), "(reference column: dense flash attention)", flush=True)
-    if len(resident) == 2:
+    if len(quants) == 2:
         ratio = sum(resident["mxfp8"].values()) / sum(resident["bf16"].values())
         notes.append(f"resident weights mxfp8 / bf16: {ratio:.3f}")
         for b, ctx in args.decode:
