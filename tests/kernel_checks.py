@@ -128,6 +128,22 @@ def moe_kernel():
     h = moe_triton.gate_up(x, w1, w3, t * a, a, aligned, 1.702, 7.0, 16, cfg)
     y = moe_triton.grouped_gemm(h, w2, t * a, a, aligned, True, weights.flatten(), torch.float32, 16, cfg)
     close(y.view(t, a, c).sum(1), moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0))
+    # Half-height tiles for a group's last block of at most half a block (prefill's): groups
+    # aligned to 32 rows in 32-row blocks. Expert 0 gets 40 pairs (a full block, then 8 in a half
+    # tile), expert 1 at least 20 (a long last block), the others a few.
+    t, e, a = 40, 4, 2
+    ids = torch.stack([torch.zeros(t, dtype=torch.long), torch.randint(1, e, (t,))], 1)
+    ids[:20, 1] = 1
+    weights = torch.rand(t, a)
+    x = torch.randn(t, c)
+    w1, w3, w2 = torch.randn(e, i, c) * 0.1, torch.randn(e, i, c) * 0.1, torch.randn(e, c, i) * 0.1
+    aligned = moe_triton.align(ids, e, 32)
+    cfg = (32, 32, 4, 1, 2)
+    h = moe_triton.gate_up(x, w1, w3, t * a, a, aligned, 1.702, 7.0, 32, cfg, halves=True)
+    y = moe_triton.grouped_gemm(
+        h, w2, t * a, a, aligned, True, weights.flatten(), torch.float32, 32, cfg, True
+    )
+    close(y.view(t, a, c).sum(1), moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0))
 
 
 def routing_kernels():

@@ -85,6 +85,21 @@ def test_msa_decode_kernels_match_reference(dtype, h, k, d, di, s, lens, topk):
         assert rel(sparse[i], ref_sparse) < tol
 
 
+def test_router_logits_from_bf16_slices_match_fp32():
+    from m3lm.layers.moe import router_logits, split_bf16
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(300, 512, generator=gen).bfloat16().to(DEV)
+    w = (torch.randn(128, 512, generator=gen) * 0.02).to(DEV)
+    want = x.double() @ w.double().T
+    fp32 = router_logits(x, w)
+    split = router_logits(x, w, split_bf16(w))
+    assert split.dtype == torch.float32 and split.shape == (300, 128)
+    # fp32 accumulation either way: the split is as close to the exact product as the fp32 GEMM
+    err = float((split.double() - want).abs().max())
+    assert err <= 4 * float((fp32.double() - want).abs().max()) + 1e-6, err
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("t", "e", "a", "c", "i"), [(1, 8, 2, 64, 32), (37, 16, 4, 256, 96), (2000, 32, 4, 512, 256)]

@@ -10,7 +10,7 @@ from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
 from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
 from m3lm.layers.mlp import swiglu_oai
-from m3lm.layers.moe import route
+from m3lm.layers.moe import route, split_bf16
 from m3lm.layers.norm import rms_norm
 from m3lm.layers.rotary import apply_rope, rope_cos_sin
 
@@ -31,6 +31,20 @@ def test_router_ties_go_to_lower_expert():
     logits = torch.zeros(3, 6)
     _, ids = route(logits, torch.zeros(6), 3)
     assert ids.tolist() == [[0, 1, 2]] * 3
+
+
+def test_router_weight_splits_into_exact_bf16_slices():
+    # Weights across many binades, the router's scale among them: the three bf16 slices sum back
+    # to the fp32 weight bit for bit, and each product with a bf16 activation is exact in fp64.
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=gen) * torch.logspace(-8, 8, 96, base=2.0)
+    parts = split_bf16(w)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3, 64, 96)
+    assert torch.equal(parts[0].float() + parts[1].float() + parts[2].float(), w)
+    x = torch.randn(5, 96, generator=gen).bfloat16()
+    want = x.double() @ w.double().T
+    got = sum(x.double() @ p.double().T for p in parts)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_swiglu_oai_closed_form():

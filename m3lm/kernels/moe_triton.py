@@ -145,25 +145,33 @@ def grouped_pid(pid, n_programs, N: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.
 
 
 @triton.jit
-def _moe_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, scale_ptr,
-    M, TOP_K,
-    s_am, s_we, s_wn, s_cm,
+def _block(sorted_ptr, used_ptr, pid_m, M, BM: tl.constexpr, HALVES: tl.constexpr):
+    """(rows to compute, 0 / BM / BM // 2) of row block pid_m: 0 past the used slots or for only
+    padding (a group aligned to a larger BLOCK_M). With HALVES (BM = the alignment), a group's
+    last block holding at most BM/2 pairs takes a half-height tile: the padding per expert
+    averages BM/4 rows instead of BM/2, in the same launch, so the expert's weights are still
+    read next to its other blocks (and hit in L2)."""
+    start = pid_m * BM  # the grid holds at most the aligned slots: every load below is in bounds
+    live = (start < tl.load(used_ptr)) & (tl.load(sorted_ptr + start) < M)
+    rows = tl.where(live, BM, 0)
+    if HALVES:
+        rows = tl.where(live & (tl.load(sorted_ptr + start + BM // 2) >= M), BM // 2, rows)
+    return rows
+
+
+@triton.jit
+def _gemm_rows(
+    a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, start, pid_n, M, TOP_K, s_am, s_we, s_wn, s_cm,
     N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
+    R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.num_programs(0), N, BN, GROUP_M)
-    if pid_m * BM >= tl.load(used_ptr):
-        return
-    if tl.load(sorted_ptr + pid_m * BM) >= M:  # only padding (a group aligned to a larger BLOCK_M)
-        return
-    e = tl.load(expert_ptr + pid_m * BM // ALIGN_M).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+    """c[pair] (times scale[pair]) for the R slots from `start`, outputs pid_n*BN.. of expert e."""
+    pairs = tl.load(sorted_ptr + start + tl.arange(0, R))
     valid = pairs < M
     rows = pairs if PAIR_ROWS else pairs // TOP_K
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = tl.zeros([R, BN], tl.float32)
     for k0 in range(0, KDIM, BK):
         kk = k0 + offs_k
         a = tl.load(
@@ -184,27 +192,54 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _moe_gate_up_kernel(
-    a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, used_ptr,
-    M, TOP_K, alpha, limit,
-    s_am, s_we, s_wn, s_hm,
-    N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr,
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, scale_ptr,
+    M, TOP_K,
+    s_am, s_we, s_wn, s_cm,
+    N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
+    HALVES: tl.constexpr,
 ):  # fmt: skip
-    """h[pair] = swiglu(a[token] @ w1[e].T, a[token] @ w3[e].T): both products from one read of a."""
     pid_m, pid_n = grouped_pid(tl.program_id(0), tl.num_programs(0), N, BN, GROUP_M)
-    if pid_m * BM >= tl.load(used_ptr):
-        return
-    if tl.load(sorted_ptr + pid_m * BM) >= M:  # only padding (a group aligned to a larger BLOCK_M)
+    rows = _block(sorted_ptr, used_ptr, pid_m, M, BM, HALVES)
+    if rows == 0:
         return
     e = tl.load(expert_ptr + pid_m * BM // ALIGN_M).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+    args = (
+        a_ptr,
+        w_ptr,
+        c_ptr,
+        sorted_ptr,
+        scale_ptr,
+        e,
+        pid_m * BM,
+        pid_n,
+        M,
+        TOP_K,
+        s_am,
+        s_we,
+        s_wn,
+        s_cm,
+    )
+    if HALVES and rows < BM:
+        _gemm_rows(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM // 2, BN, BK)
+    else:
+        _gemm_rows(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM, BN, BK)
+
+
+@triton.jit
+def _gate_up_rows(
+    a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, start, pid_n, M, TOP_K, alpha, limit, s_am, s_we, s_wn, s_hm,
+    N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """h[pair] = swiglu(a[token] @ w1[e].T, a[token] @ w3[e].T) for the R slots from `start`."""
+    pairs = tl.load(sorted_ptr + start + tl.arange(0, R))
     valid = pairs < M
     rows = pairs // TOP_K
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
-    gate = tl.zeros([BM, BN], tl.float32)
-    up = tl.zeros([BM, BN], tl.float32)
+    gate = tl.zeros([R, BN], tl.float32)
+    up = tl.zeros([R, BN], tl.float32)
     for k0 in range(0, KDIM, BK):
         kk = k0 + offs_k
         a = tl.load(
@@ -225,6 +260,28 @@ def _moe_gate_up_kernel(
     h = g * tl.sigmoid(alpha * g) * (u + 1.0)
     out = h_ptr + pairs[:, None].to(tl.int64) * s_hm + offs_n[None, :]
     tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, used_ptr,
+    M, TOP_K, alpha, limit,
+    s_am, s_we, s_wn, s_hm,
+    N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
+    HALVES: tl.constexpr,
+):  # fmt: skip
+    """h[pair] = swiglu(a[token] @ w1[e].T, a[token] @ w3[e].T): both products from one read of a."""
+    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.num_programs(0), N, BN, GROUP_M)
+    rows = _block(sorted_ptr, used_ptr, pid_m, M, BM, HALVES)
+    if rows == 0:
+        return
+    e = tl.load(expert_ptr + pid_m * BM // ALIGN_M).to(tl.int64)
+    args = (a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, pid_m * BM, pid_n, M, TOP_K, alpha, limit)
+    if HALVES and rows < BM:
+        _gate_up_rows(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM // 2, BN, BK)
+    else:
+        _gate_up_rows(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, BN, BK)
 
 
 def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tuple]]:
@@ -251,6 +308,12 @@ def _align_m(aligned: tuple, block_m: int) -> int:
     return align_m
 
 
+def _halves(aligned: tuple, block_m: int) -> bool:
+    """Short last blocks in half-height tiles (`_block`): when blocks are whole aligned groups of
+    at least 128 rows (prefill), so that a half is still a full tensor-core tile."""
+    return block_m >= 128 and block_m == _align_m(aligned, block_m)
+
+
 def row_blocks(aligned: tuple, m: int, block_m: int) -> int:
     """Row blocks to launch: each aligned group holds at least one of the M pairs, so only the
     first M groups can be used (a decode step launches a few rows of programs, not one per expert)."""
@@ -258,8 +321,9 @@ def row_blocks(aligned: tuple, m: int, block_m: int) -> int:
     return min(aligned[0].numel(), m * align_m) // block_m
 
 
-def gate_up(x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config) -> torch.Tensor:
-    """SwiGLU activations [M, I] of every token-expert pair (x.dtype)."""
+def gate_up(x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config, halves=None) -> torch.Tensor:
+    """SwiGLU activations [M, I] of every token-expert pair (x.dtype). halves: `_block`'s
+    half-height tiles (default: `_halves`)."""
     sorted_ids, block_expert, used = aligned
     n, kdim = w1.shape[1], w1.shape[2]
     h = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -268,7 +332,8 @@ def gate_up(x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config) -> torc
         x, w1, w3, h, sorted_ids, block_expert, used, m, top_k, alpha, limit,
         x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
         N=n, KDIM=kdim, PREC=precision(x), BM=block_m, BN=bn, BK=bk, ALIGN_M=_align_m(aligned, block_m),
-        GROUP_M=group, num_warps=warps, num_stages=stages,
+        GROUP_M=group, HALVES=_halves(aligned, block_m) if halves is None else halves, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return h
 
@@ -284,6 +349,7 @@ def grouped_gemm(
     out_dtype=None,
     block_m=16,
     config=(64, 128, 4, 3, 8),
+    halves=None,
 ):
     """c[pair] = a[row of pair] @ w[expert of pair].T (times scale[pair]) -> [M, N]."""
     sorted_ids, block_expert, used = aligned
@@ -295,7 +361,9 @@ def grouped_gemm(
         a, w, c, sorted_ids, block_expert, used, scale if scale is not None else c,
         m, top_k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         N=n, KDIM=kdim, PAIR_ROWS=pair_rows, PREC=precision(a), SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
-        ALIGN_M=_align_m(aligned, block_m), GROUP_M=group, num_warps=warps, num_stages=stages,
+        ALIGN_M=_align_m(aligned, block_m), GROUP_M=group,
+        HALVES=_halves(aligned, block_m) if halves is None else halves, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return c
 

@@ -1,8 +1,36 @@
-"""MoE routing: sigmoid scores, a bias that only picks experts, renormalised weights."""
+"""MoE routing: fp32 router logits, sigmoid scores, a bias that only picks experts, renormalised weights."""
 
 from __future__ import annotations
 
 import torch
+
+# From this many tokens (prefill) the GPU computes bf16 activations' router logits as three bf16
+# products (`split_bf16`) on the tensor cores; below it the fp32 weight is read once (decode).
+SPLIT_ROUTER_MIN_T = 256
+
+
+def split_bf16(w: torch.Tensor) -> torch.Tensor:
+    """fp32 w [...] -> [3, ...] bf16 slices whose fp32 sum is w exactly (the 24-bit significand in
+    three 8-bit pieces; bf16 has fp32's exponent range)."""
+    hi = w.bfloat16()
+    mid = (w - hi.float()).bfloat16()
+    lo = (w - hi.float() - mid.float()).bfloat16()
+    return torch.stack([hi, mid, lo])
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, split: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, C] @ weight [E, C].T in fp32 -> [T, E] fp32.
+
+    With `split` (= split_bf16(weight)) and bf16 x on the GPU: one bf16 GEMM against the three
+    slices with fp32 output, summed. The product of a bf16 input and a bf16 slice is exact in fp32
+    and fp32 accumulates, so this is the fp32 product up to the order of summation, on the
+    tensor cores instead of fp32 units.
+    """
+    if split is None or not x.is_cuda or x.dtype != torch.bfloat16:
+        return torch.nn.functional.linear(x.float(), weight)
+    e = weight.shape[0]
+    parts = torch.mm(x, split.view(3 * e, -1).T, out_dtype=torch.float32)  # [T, 3E]
+    return parts.view(-1, 3, e).sum(1)
 
 
 def route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

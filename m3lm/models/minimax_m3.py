@@ -26,7 +26,7 @@ from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.msa import msa_attention_ref, msa_attention_sdpa, msa_select_ref
 from m3lm.layers.linear import fp8_parameter, to_mxfp8_
 from m3lm.layers.mlp import MLP
-from m3lm.layers.moe import route
+from m3lm.layers.moe import SPLIT_ROUTER_MIN_T, route, router_logits, split_bf16
 from m3lm.layers.norm import RMSNorm, add_rms_norm
 from m3lm.layers.rotary import norm_rope, rope_cos_sin
 
@@ -219,8 +219,18 @@ class MoE(nn.Module):
             args.swiglu_limit, dtype,
         )  # fmt: skip
 
+    def _router_split(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The router weight's exact bf16 slices for a prefill on the GPU (`router_logits`), made
+        on first use and again whenever the weight changes."""
+        w = self.gate.weight
+        if not x.is_cuda or x.dtype != torch.bfloat16 or x.shape[0] < SPLIT_ROUTER_MIN_T:
+            return None
+        if getattr(self, "_split_of", None) != (w.data_ptr(), w._version):
+            self._split, self._split_of = split_bf16(w.detach()), (w.data_ptr(), w._version)
+        return self._split
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = nn.functional.linear(x.float(), self.gate.weight)  # [T, E] fp32
+        logits = router_logits(x, self.gate.weight, self._router_split(x))  # [T, E] fp32
         weights, ids = route(logits, self.e_score_correction_bias, self.top_k)  # [T, A]
         ex = self.experts
         fp8 = ex.w1.dtype == torch.float8_e4m3fn  # weight-only FP8 experts (dequantised on the CPU)
