@@ -246,6 +246,8 @@ def elementwise_kernels():
     close(fused.apply_rope(x, cos, sin), apply_rope_ref(x, cos, sin))
     g, u = torch.randn(7, 33) * 5, torch.randn(7, 33) * 5
     close(fused.swiglu_oai(g, u, 1.702, 7.0), swiglu_oai_ref(g, u, 1.702, 7.0))
+    h = torch.randn(5, 2, 2 * 24) * 6  # packed [gate | up] columns
+    close(fused.swiglu_packed(h, 1.702, 7.0), swiglu_oai_ref(h[..., :24], h[..., 24:], 1.702, 7.0))
     h, d = torch.randn(5, 40), torch.randn(5, 40)
     w = torch.randn(40)
     s, y = fused.add_rms_norm(h, d, w, 1e-6)

@@ -188,11 +188,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, y_ptr, numel, alpha, limit, BLOCK: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, y_ptr, numel, width, stride, alpha, limit, BLOCK: tl.constexpr):
+    """y[r, c] = swiglu(g[r * stride + c], u[r * stride + c]) over rows of `width` outputs."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    g = tl.minimum(tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32), limit)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    src = (offs // width) * stride + offs % width
+    g = tl.minimum(tl.load(g_ptr + src, mask=mask, other=0.0).to(tl.float32), limit)
+    u = tl.load(u_ptr + src, mask=mask, other=0.0).to(tl.float32)
     u = tl.minimum(tl.maximum(u, -limit), limit)
     y = g * tl.sigmoid(alpha * g) * (u + 1.0)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -202,5 +204,17 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float)
     gate, up = gate.contiguous(), up.contiguous()
     y = torch.empty_like(gate)
     n = gate.numel()
-    _swiglu_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, alpha, limit, BLOCK=1024)
+    _swiglu_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, max(n, 1), 0, alpha, limit, BLOCK=1024)
+    return y
+
+
+def swiglu_packed(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """`swiglu_oai` of a packed product h [..., 2I] (gate columns, then up columns) -> [..., I]."""
+    h = h.contiguous()
+    width = h.shape[-1] // 2
+    y = torch.empty(*h.shape[:-1], width, device=h.device, dtype=h.dtype)
+    n = y.numel()
+    _swiglu_kernel[(triton.cdiv(n, 1024),)](
+        h, h[..., width:], y, n, width, 2 * width, alpha, limit, BLOCK=1024
+    )
     return y

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from m3lm.layers.linear import packed_rows
+
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """`min(g, limit) * sigmoid(alpha * g) * (clamp(u, -limit, limit) + 1)`: gate clamped from above only."""
@@ -30,4 +32,28 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, dim, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.alpha, self.limit))
+        packed = packed_rows(self.gate_proj, self.up_proj) if x.is_cuda else None
+        if packed is None:
+            return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.alpha, self.limit))
+        return self.down_proj(gate_up_swiglu(x, packed, self.alpha, self.limit))
+
+
+def gate_up_swiglu(
+    x: torch.Tensor, packed: tuple[torch.Tensor, ...], alpha: float, limit: float
+) -> torch.Tensor:
+    """swiglu(x @ gate.T, x @ up.T) from the packed [gate rows; up rows] weight (`packed_rows`), on
+    the GPU: one product, then the activation; MXFP8 below DEQUANT_MIN_T rows in one launch, the
+    activation applied to the fp32 sums (the FP8 kernel's `act="swiglu"`)."""
+    from m3lm.kernels import fused
+    from m3lm.kernels.fp8_triton import DEQUANT_MIN_T, mxfp8_matmul
+
+    flat = x.reshape(-1, x.shape[-1])  # [T, C]
+    if len(packed) == 2:  # MXFP8: values [2I, C] e4m3, scales [2I, C/32]
+        q, scale = packed
+        if flat.shape[0] < DEQUANT_MIN_T:
+            y = mxfp8_matmul(flat, q, scale, act="swiglu", alpha=alpha, limit=limit)
+            return y.view(*x.shape[:-1], -1)
+        h = mxfp8_matmul(flat, q, scale)  # [T, 2I]
+    else:
+        h = nn.functional.linear(flat, packed[0])  # [T, 2I]
+    return fused.swiglu_packed(h, alpha, limit).view(*x.shape[:-1], -1)
