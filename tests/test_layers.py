@@ -64,7 +64,9 @@ def test_packed_rows_share_storage_with_the_layers(kind):
     assert len(packed) == len(names)
     for p, (ta, tb), n in zip(packed, before, names, strict=True):
         assert torch.equal(p.float(), torch.cat([ta, tb]).float())
-        assert torch.equal(getattr(a, n).float(), ta.float()) and torch.equal(getattr(b, n).float(), tb.float())
+        assert torch.equal(getattr(a, n).float(), ta.float()) and torch.equal(
+            getattr(b, n).float(), tb.float()
+        )
     # The layers' parameters are views of the packed buffer: loading into them updates it, and
     # a second call finds them in place.
     with torch.no_grad():
