@@ -160,6 +160,17 @@ def _block(sorted_ptr, used_ptr, pid_m, M, BM: tl.constexpr, HALVES: tl.constexp
 
 
 @triton.jit
+def _program(
+    sorted_ptr, expert_ptr, used_ptr, M, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr, HALVES: tl.constexpr,
+):  # fmt: skip
+    """This program's (row block, column block, rows to compute (`_block`), expert)."""
+    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.num_programs(0), N, BN, GROUP_M)
+    rows = _block(sorted_ptr, used_ptr, pid_m, M, BM, HALVES)
+    return pid_m, pid_n, rows, tl.load(expert_ptr + pid_m * BM // ALIGN_M).to(tl.int64)
+
+
+@triton.jit
 def _gemm_rows(
     a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, start, pid_n, M, TOP_K, s_am, s_we, s_wn, s_cm,
     N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
@@ -200,27 +211,10 @@ def _moe_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
     HALVES: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.num_programs(0), N, BN, GROUP_M)
-    rows = _block(sorted_ptr, used_ptr, pid_m, M, BM, HALVES)
+    pid_m, pid_n, rows, e = _program(sorted_ptr, expert_ptr, used_ptr, M, N, BM, BN, ALIGN_M, GROUP_M, HALVES)
     if rows == 0:
         return
-    e = tl.load(expert_ptr + pid_m * BM // ALIGN_M).to(tl.int64)
-    args = (
-        a_ptr,
-        w_ptr,
-        c_ptr,
-        sorted_ptr,
-        scale_ptr,
-        e,
-        pid_m * BM,
-        pid_n,
-        M,
-        TOP_K,
-        s_am,
-        s_we,
-        s_wn,
-        s_cm,
-    )
+    args = (a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, pid_m * BM, pid_n, M, TOP_K, s_am, s_we, s_wn, s_cm)  # fmt: skip
     if HALVES and rows < BM:
         _gemm_rows(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM // 2, BN, BK)
     else:
@@ -272,11 +266,9 @@ def _moe_gate_up_kernel(
     HALVES: tl.constexpr,
 ):  # fmt: skip
     """h[pair] = swiglu(a[token] @ w1[e].T, a[token] @ w3[e].T): both products from one read of a."""
-    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.num_programs(0), N, BN, GROUP_M)
-    rows = _block(sorted_ptr, used_ptr, pid_m, M, BM, HALVES)
+    pid_m, pid_n, rows, e = _program(sorted_ptr, expert_ptr, used_ptr, M, N, BM, BN, ALIGN_M, GROUP_M, HALVES)
     if rows == 0:
         return
-    e = tl.load(expert_ptr + pid_m * BM // ALIGN_M).to(tl.int64)
     args = (a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, pid_m * BM, pid_n, M, TOP_K, alpha, limit)
     if HALVES and rows < BM:
         _gate_up_rows(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM // 2, BN, BK)
