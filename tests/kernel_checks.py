@@ -212,7 +212,8 @@ def fp8_kernels():
         x = torch.randn(t, 96) * 2
         ref = swiglu_oai_ref(x @ dequant_mxfp8(q1, s1).T, x @ dequant_mxfp8(q3, s3).T, 1.702, 7.0)
         close(mxfp8_matmul(x, *pack_gate_up(q1, s1, q3, s3), config, act="swiglu"), ref)
-    for t, e, a, c, i in [(1, 8, 2, 64, 32), (9, 6, 3, 96, 64), (40, 8, 2, 64, 32)]:
+    # 2 and 8 pairs: one program per pair (`pair_gemv`), K of 96 not a whole tile; then aligned tiles
+    for t, e, a, c, i in [(1, 8, 2, 64, 32), (2, 6, 4, 96, 64), (9, 6, 3, 96, 64), (40, 8, 2, 64, 32)]:
         x = torch.randn(t, c)
         w1, w3, w2 = (mxfp8_weight(*shape) for shape in ((e, i, c), (e, i, c), (e, c, i)))
         weights, ids = route(torch.randn(t, e), torch.zeros(e), a)
@@ -239,6 +240,37 @@ def fp8_kernels():
     close(scores.nan_to_num(0, 0, 0), ref.nan_to_num(0, 0, 0), 1e-3)
 
 
+def decode_heads_check(index: bool):
+    """`fused.decode_heads` against per-head norm + RoPE and plain cache writes (index head dim 8,
+    head dim 16, rotary dim 8)."""
+    b, h, k, d, di, pages, page = 3, 4, 2, 16, 8, 5, 4
+    widths = [h * d, k * d, k * d] + ([k * di, di] if index else [])
+    y = torch.randn(b, sum(widths)) * 3
+    q_, k_, v_, *idx = y.split(widths, dim=-1)
+    norms = [torch.randn(d), torch.randn(d)] + ([torch.randn(di), torch.randn(di)] if index else [])
+    cos, sin = rope_cos_sin(torch.tensor([5, 0, 13]), 8, 10000.0)
+    where = torch.tensor([2, 0, 4]), torch.tensor([1, 0, 3])  # (page, slot) of each token
+    kc, vc, ikc = torch.zeros(pages, page, k, d), torch.zeros(pages, page, k, d), torch.zeros(pages, page, di)
+    q, iq = fused.decode_heads(
+        y, (h, k, d, di if index else 0), tuple(norms), 1e-6, cos, sin, kc, vc, ikc if index else None, *where
+    )
+
+    def ref(x, heads, w):
+        return apply_rope_ref(rms_norm_ref(x.reshape(b, heads, -1), w, 1e-6), cos, sin)
+
+    close(q, ref(q_, h, norms[0]))
+    close(kc[where], ref(k_, k, norms[1]))
+    close(vc[where], v_.view(b, k, d))
+    untouched = torch.ones(pages, page, dtype=torch.bool)
+    untouched[where] = False
+    assert not kc[untouched].any() and not vc[untouched].any() and not ikc[untouched].any()
+    if index:
+        close(iq, ref(idx[0], k, norms[2]))
+        close(ikc[where], ref(idx[1], 1, norms[3])[:, 0])
+    else:
+        assert iq is None
+
+
 def elementwise_kernels():
     x, w = torch.randn(5, 3, 24), torch.randn(24)
     close(fused.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
@@ -263,6 +295,8 @@ def elementwise_kernels():
         fused.norm_rope(one_head, w, 1e-6, cos, sin),
         apply_rope_ref(rms_norm_ref(one_head, w, 1e-6), cos, sin),
     )
+    decode_heads_check(index=True)
+    decode_heads_check(index=False)
     pairs, shared = torch.randn(6, 4, 1500), torch.randn(6, 1500)
     close(fused.moe_combine(pairs, shared, 2.0), pairs.sum(1) * 2.0 + shared)
     rows, weights = torch.randperm(24).view(6, 4), torch.rand(6, 4)  # pairs in expert order, unweighted

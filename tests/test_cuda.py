@@ -18,6 +18,7 @@ from m3lm.engine.engine import LLMEngine
 from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, select_blocks_ref
 from m3lm.layers.moe import route
+from m3lm.layers.rotary import rope_cos_sin
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -107,6 +108,81 @@ def test_packed_mlp_matches_reference(quant, t):
         gpu.gate_proj.weight.untyped_storage().data_ptr() == gpu.up_proj.weight.untyped_storage().data_ptr()
     )
     assert rel(out.cpu(), ref) < 2e-2
+
+
+@pytest.mark.parametrize("quant", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("t", [1, 13, 1100])
+def test_packed_attention_projections_match_reference(quant, t):
+    """q, k, v and the index query/key from one product over the packed weights (GPU) against the
+    five separate products of the CPU path."""
+    from m3lm.config import ModelArgs
+    from m3lm.layers.linear import to_mxfp8_
+    from m3lm.layers.rotary import rope_cos_sin
+    from m3lm.models.minimax_m3 import Attention
+
+    torch.manual_seed(t)
+    args = ModelArgs.from_dict(
+        release_config(Spec(hidden=256, heads=8, kv_heads=2, head_dim=64, index_dim=32))
+    )
+    attn = Attention(args, 1, torch.float32).requires_grad_(False)
+    assert attn.sparse
+    names = ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj")
+    for name in names:
+        torch.nn.init.normal_(getattr(attn, name).weight, std=0.1)
+    if quant == "mxfp8":
+        to_mxfp8_(attn, names, quantize=True)
+    x = torch.randn(t, 256)
+    cos, sin = rope_cos_sin(torch.arange(t) + 5, args.rotary_dim, args.rope_theta)
+    ref = attn.project(x, cos, sin)  # CPU: separate products
+    gpu = attn.to(DEV)
+    if quant == "bf16":
+        gpu = gpu.bfloat16()
+    out = gpu.project(x.to(DEV, torch.bfloat16), cos.to(DEV), sin.to(DEV))
+    assert gpu.k_proj.weight.untyped_storage().data_ptr() == gpu.q_proj.weight.untyped_storage().data_ptr()
+    for o, r in zip(out, ref, strict=True):
+        assert o.shape == r.shape
+        assert rel(o.cpu(), r) < 2e-2
+
+
+@pytest.mark.parametrize("index", [True, False])
+def test_decode_heads_match_the_unfused_path(index):
+    """One launch for the heads of a decode step against per-head norm_rope and indexed cache writes."""
+    from m3lm.kernels import fused
+
+    gen = torch.Generator(device="cpu").manual_seed(int(index))
+    b, h, k, d, di, pages, page = 5, 64, 4, 128, 128, 12, 128
+    widths = [h * d, k * d, k * d] + ([k * di, di] if index else [])
+    y = (torch.randn(b, sum(widths), generator=gen) * 3).to(DEV, torch.bfloat16)
+    outs = y.split(widths, dim=-1)
+    norms = [torch.randn(n, generator=gen).to(DEV, torch.bfloat16) for n in (d, d, di, di)[: len(widths) - 1]]
+    cos, sin = (t.to(DEV) for t in rope_cos_sin(torch.tensor([4095, 0, 77, 128, 9000]), 64, 5e6))
+    pg = torch.tensor([3, 0, 11, 7, 1], device=DEV)
+    sl = torch.tensor([127, 0, 77, 0, 40], device=DEV)
+    caches = [torch.zeros(pages, page, *s, device=DEV, dtype=torch.bfloat16) for s in ((k, d), (k, d), (di,))]
+    q, iq = fused.decode_heads(
+        y,
+        (h, k, d, di),
+        tuple(norms),
+        1e-6,
+        cos,
+        sin,
+        caches[0],
+        caches[1],
+        caches[2] if index else None,
+        pg,
+        sl,
+    )
+    want_q = fused.norm_rope(outs[0].view(b, h, d), norms[0], 1e-6, cos, sin)
+    want_k = fused.norm_rope(outs[1].view(b, k, d), norms[1], 1e-6, cos, sin)
+    assert rel(q, want_q) < 5e-3 and rel(caches[0][pg, sl], want_k) < 5e-3
+    assert torch.equal(caches[1][pg, sl], outs[2].view(b, k, d))
+    assert int((caches[0] != 0).any(-1).any(-1).sum()) == b  # nothing else written
+    if index:
+        assert rel(iq, fused.norm_rope(outs[3].view(b, k, di), norms[2], 1e-6, cos, sin)) < 5e-3
+        want_ik = fused.norm_rope(outs[4].view(b, 1, di), norms[3], 1e-6, cos, sin)[:, 0]
+        assert rel(caches[2][pg, sl], want_ik) < 5e-3
+    else:
+        assert iq is None and not caches[2].any()
 
 
 def test_router_logits_from_bf16_slices_match_fp32():

@@ -9,7 +9,7 @@ import torch
 from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
 from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
-from m3lm.layers.linear import MXFP8Linear, packed_rows
+from m3lm.layers.linear import MXFP8Linear, packed_linear, packed_rows
 from m3lm.layers.mlp import swiglu_oai
 from m3lm.layers.moe import route, split_bf16
 from m3lm.layers.norm import rms_norm
@@ -51,30 +51,36 @@ def test_router_weight_splits_into_exact_bf16_slices():
 @pytest.mark.parametrize("kind", ["bf16", "mxfp8"])
 def test_packed_rows_share_storage_with_the_layers(kind):
     torch.manual_seed(0)
+    widths = (24, 40, 8)
     if kind == "bf16":
-        a, b = torch.nn.Linear(64, 24, bias=False), torch.nn.Linear(64, 40, bias=False)
+        layers = [torch.nn.Linear(64, w, bias=False) for w in widths]
     else:
-        a, b = MXFP8Linear(64, 24), MXFP8Linear(64, 40)
-        for m in (a, b):
+        layers = [MXFP8Linear(64, w) for w in widths]
+        for m in layers:
             m.weight.copy_(torch.randn(m.weight.shape).to(torch.float8_e4m3fn))
             m.weight_scale.copy_(torch.randint(120, 130, m.weight_scale.shape, dtype=torch.uint8))
     names = ["weight"] + (["weight_scale"] if kind == "mxfp8" else [])
-    before = [(getattr(a, n).clone(), getattr(b, n).clone()) for n in names]
-    packed = packed_rows(a, b)
+    before = {n: [getattr(m, n).clone() for m in layers] for n in names}
+    packed = packed_rows(*layers)
     assert len(packed) == len(names)
-    for p, (ta, tb), n in zip(packed, before, names, strict=True):
-        assert torch.equal(p.float(), torch.cat([ta, tb]).float())
-        assert torch.equal(getattr(a, n).float(), ta.float()) and torch.equal(
-            getattr(b, n).float(), tb.float()
-        )
+    for p, n in zip(packed, names, strict=True):
+        assert torch.equal(p.float(), torch.cat(before[n]).float())
+        for m, old in zip(layers, before[n], strict=True):
+            assert torch.equal(getattr(m, n).float(), old.float())
+    # One product over the packed weight gives each layer's output as a column slice.
+    x = torch.randn(5, 64)
+    outs = packed_linear(x, packed).split(widths, dim=-1)
+    for m, y in zip(layers, outs, strict=True):
+        assert torch.allclose(y, m(x), rtol=1e-5, atol=1e-5)
     # The layers' parameters are views of the packed buffer: loading into them updates it, and
     # a second call finds them in place.
     with torch.no_grad():
-        b.weight.copy_(torch.ones_like(b.weight))
-    again = packed_rows(a, b)
+        layers[1].weight.copy_(torch.ones_like(layers[1].weight))
+    again = packed_rows(*layers)
     assert again[0].data_ptr() == packed[0].data_ptr()
-    assert torch.equal(again[0][24:].float(), torch.ones(40, 64))
-    assert packed_rows(a, torch.nn.Linear(32, 8, bias=False)) is None
+    assert torch.equal(again[0][24:64].float(), torch.ones(40, 64))
+    assert packed_rows(layers[0], torch.nn.Linear(32, 8, bias=False)) is None
+    assert packed_rows(layers[0]) is None
 
 
 def test_swiglu_oai_closed_form():

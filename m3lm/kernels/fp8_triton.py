@@ -56,11 +56,11 @@ GEMV_MAX_T = 16  # at most this many rows: the GEMV kernel
 # (down to GEMV_MIN_BN) until the grid has GEMV_PROGRAMS_PER_SM programs per multiprocessor, and
 # widens BK so that each thread still loads 16 bytes of a row at a time.
 GEMV_TILES = (
-    (1, Config("gemv", 16, 512, 4, 3)),
+    (1, Config("gemv", 32, 512, 4, 4)),
     (16, Config("gemv_tc", 32, 256, 4, 3)),
 )
 GEMV_MIN_BN = {"gemv": 2, "gemv_tc": 16}
-GEMV_PROGRAMS_PER_SM = 2
+GEMV_PROGRAMS_PER_SM = 1
 # Fewer outputs than 16 x the SMs, too few for 16-row tensor-core tiles to fill the GPU (the k/v
 # projections): the CUDA cores, one warp a row (BN = warps, BK = 32 lanes x 16 bytes).
 GEMV_NARROW = Config("gemv", 4, 512, 4, 3)
@@ -95,7 +95,7 @@ def _weight_rows(pid, N, BN: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K: tl.constexpr, BK: tl.constexpr):
+def weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K: tl.constexpr, BK: tl.constexpr):
     """Weight rows `rows` [R], inputs k0..k0+BK, dequantised: fp32 [R, BK] (0 where masked)."""
     kk = k0 + tl.arange(0, BK)
     kb = k0 // 32 + tl.arange(0, BK // 32)
@@ -115,7 +115,7 @@ def _dequant_kernel(q_ptr, s_ptr, w_ptr, N, KDIM, BN: tl.constexpr, BK: tl.const
     """w[BN rows, BK inputs] = dequant(q, s) for this program's tile, in w's dtype."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * BK
-    w = _weight_tile(q_ptr, s_ptr, rows, rows < N, k0, KDIM, KDIM, KDIM // 32, False, BK)
+    w = weight_tile(q_ptr, s_ptr, rows, rows < N, k0, KDIM, KDIM, KDIM // 32, False, BK)
     kk = k0 + tl.arange(0, BK)
     out = w_ptr + rows[:, None].to(tl.int64) * KDIM + kk[None, :]
     tl.store(out, w.to(w_ptr.dtype.element_ty), mask=(rows[:, None] < N) & (kk[None, :] < KDIM))
@@ -152,7 +152,7 @@ def _mxfp8_gemv_kernel(
     # An explicit pipelining depth: by default only the loads that feed a dot are prefetched.
     for k0 in tl.range(0, KLOOP if KLOOP else KDIM, BK, num_stages=STAGES):
         kk = k0 + tl.arange(0, BK)
-        w = _weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K, BK)  # [G*BN, BK]
+        w = weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K, BK)  # [G*BN, BK]
         if DOT:  # [G*BN, BK] @ [BK, 16]: the weight on the tensor cores' wide side
             x = tl.load(
                 x_ptr + offs_t[:, None] * s_xt + kk[None, :],
@@ -200,7 +200,7 @@ def _mxfp8_matmul_kernel(
             mask=(offs_m[:, None] < T) & (kk[None, :] < KDIM),
             other=0.0,
         )
-        w = _weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K, BK)
+        w = weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K, BK)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PREC)
     if G == 2:  # [BM, 2*BN]: gate columns, then up columns
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))

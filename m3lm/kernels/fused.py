@@ -110,6 +110,103 @@ def norm_rope(
 
 
 @triton.jit
+def _decode_heads_kernel(
+    y_ptr, qw_ptr, kw_ptr, iqw_ptr, ikw_ptr, cos_ptr, sin_ptr, q_ptr, iq_ptr, kc_ptr, vc_ptr, ikc_ptr,
+    pages_ptr, slots_ptr, n_rows, s_yt, s_kp, s_ks, s_ip, s_is, eps,
+    H: tl.constexpr, K: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, INDEX: tl.constexpr,
+    HALF: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
+    """Every head of the packed attention input [B, H*D | K*D | K*D | K*DI | DI] of a decode step:
+    (token, head) rows, each normed and rotated as `_norm_rope_kernel` does (v: copied), then
+    stored where it goes: q and the index queries to their outputs, k, v and the index key into the
+    paged caches at the token's (page, slot)."""
+    per = H + 2 * K + (K + 1 if INDEX else 0)  # head rows per token
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    row_ok = rows < n_rows
+    t = (rows // per).to(tl.int64)
+    hh = rows % per
+    seg = (hh >= H).to(tl.int32) + (hh >= H + K) + (hh >= H + 2 * K) + (hh >= H + 3 * K)  # q k v iq ik
+    head = hh - tl.where(seg == 0, 0, tl.where(seg == 1, H, tl.where(seg == 2, H + K, H + 2 * K)))
+    head = tl.where(seg == 4, 0, head)
+    dim = tl.where(seg >= 3, DI, D)  # [BR]
+    col = tl.where(seg < 3, hh * D, (H + 2 * K) * D + head * DI + (seg == 4).to(tl.int32) * K * DI)
+    base = y_ptr + t[:, None] * s_yt + col[:, None]
+    offs = tl.arange(0, DP)
+    ok = row_ok[:, None] & (offs[None, :] < dim[:, None])
+    rot = offs < 2 * HALF
+    first = offs < HALF
+    partner = tl.where(first, offs + HALF, offs - HALF)
+    p_ok = row_ok[:, None] & rot[None, :]
+    x = tl.load(base + offs[None, :], mask=ok, other=0.0).to(tl.float32)  # [BR, DP]
+    xp = tl.load(base + partner[None, :], mask=p_ok, other=0.0).to(tl.float32)
+    w_ptr = tl.where(seg == 0, qw_ptr, tl.where(seg == 1, kw_ptr, tl.where(seg == 3, iqw_ptr, ikw_ptr)))
+    w = tl.load(w_ptr[:, None] + offs[None, :], mask=ok & (seg != 2)[:, None], other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr[:, None] + partner[None, :], mask=p_ok & (seg != 2)[:, None], other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)  # [BR]
+    act = y_ptr.dtype.element_ty
+    y = (x * inv[:, None] * (1.0 + w)).to(act).to(tl.float32)  # the norm's output, rounded as in norm_rope
+    yp = (xp * inv[:, None] * (1.0 + wp)).to(act).to(tl.float32)
+    j = tl.where(first, offs, offs - HALF)
+    c = tl.load(cos_ptr + t[:, None] * HALF + j[None, :], mask=p_ok, other=1.0)
+    sn = tl.load(sin_ptr + t[:, None] * HALF + j[None, :], mask=p_ok, other=0.0)
+    out = tl.where(first[None, :], y * c - yp * sn, y * c + yp * sn)
+    out = tl.where(rot[None, :], out, y)
+    out = tl.where((seg == 2)[:, None], x, out).to(act)  # v: as projected
+    page = tl.load(pages_ptr + t, mask=row_ok, other=0)
+    slot = tl.load(slots_ptr + t, mask=row_ok, other=0)
+    kv_at = page * s_kp + slot * s_ks + head * D  # [BR] into k/v caches [P, S, K, D]
+    dst = tl.where(
+        seg == 0,
+        q_ptr + t * (H * D) + head * D,
+        tl.where(
+            seg == 1,
+            kc_ptr + kv_at,
+            tl.where(
+                seg == 2,
+                vc_ptr + kv_at,
+                tl.where(seg == 3, iq_ptr + t * (K * DI) + head * DI, ikc_ptr + page * s_ip + slot * s_is),
+            ),
+        ),
+    )
+    tl.store(dst[:, None] + offs[None, :], out, mask=ok)
+
+
+def decode_heads(
+    y: torch.Tensor, dims: tuple[int, int, int, int], norms: tuple, eps: float, cos: torch.Tensor,
+    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ik_cache: torch.Tensor | None,
+    pages: torch.Tensor, slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """One launch for what a decode step does between the packed input projection and attention.
+
+    y [B, H*D + 2*K*D (+ K*Di + Di with an index)] the packed q | k | v | index q | index k;
+    dims (H, K, D, Di); norms the q, k (and index q, index k) norm weights. Writes k, v [B, K, D]
+    and the index key [B, Di] into the caches k_cache/v_cache [P, S, K, D] and ik_cache [P, S, Di]
+    at (pages, slots) [B]; returns q [B, H, D] and the index queries [B, K, Di] (or None), each
+    head normed and rotated as `norm_rope` does. Caches in y's dtype.
+    """
+    h, k, d, di = dims
+    index = ik_cache is not None
+    b = y.shape[0]
+    assert y.stride(1) == 1 and k_cache.dtype == v_cache.dtype == y.dtype
+    assert k_cache.stride(3) == 1 and k_cache.stride(2) == d and v_cache.stride() == k_cache.stride()
+    q = torch.empty(b, h, d, device=y.device, dtype=y.dtype)
+    iq = torch.empty(b, k, di, device=y.device, dtype=y.dtype) if index else None
+    ikc = ik_cache if index else k_cache
+    if index:
+        assert ik_cache.dtype == y.dtype and ik_cache.stride(2) == 1
+    qw, kw, iqw, ikw = (*norms, norms[1], norms[1]) if not index else norms
+    n_rows = b * (h + 2 * k + (k + 1 if index else 0))
+    br = 16
+    _decode_heads_kernel[(triton.cdiv(n_rows, br),)](
+        y, qw, kw, iqw, ikw, cos.contiguous(), sin.contiguous(), q, iq if index else q, k_cache, v_cache, ikc,
+        pages, slots, n_rows, y.stride(0), k_cache.stride(0), k_cache.stride(1), ikc.stride(0), ikc.stride(1), eps,
+        H=h, K=k, D=d, DI=di if index else d, INDEX=index, HALF=cos.shape[-1],
+        DP=triton.next_power_of_2(max(d, di if index else d)), BR=br,
+    )  # fmt: skip
+    return q, iq
+
+
+@triton.jit
 def _moe_combine_kernel(
     p_ptr, row_ptr, w_ptr, sh_ptr, y_ptr, n, scaling,
     A: tl.constexpr, ROWS: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,

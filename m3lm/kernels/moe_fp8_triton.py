@@ -6,7 +6,10 @@ exponent per 32 inputs and dequantised in registers, so each touched expert cost
 of bf16. Two launches after the alignment: gate/up + clamped SwiGLU in one pass over the token
 rows (`_moe_fp8_gate_up_kernel`), then the down GEMM scaled by the routing weights. With `swap`
 a tile multiplies W @ a.T (the weight on the tensor cores' wide side, which suits a few rows per
-expert). CUDA-graph safe.
+expert). Up to PAIR_GEMV_MAX_PAIRS pairs (a decode step of a token or two) skip the alignment:
+one program per pair and slice of outputs multiplies the pair's one row on the CUDA cores
+(`_pair_gemv_kernel`), as the dense GEMV does, instead of a 16-row tensor-core tile holding one
+useful row. CUDA-graph safe.
 
 Shapes: T tokens, A experts per token, E experts, C hidden, I expert width, M = T*A pairs.
 """
@@ -17,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3lm.kernels.fp8_triton import dequant_tile, swiglu
+from m3lm.kernels.fp8_triton import dequant_tile, swiglu, weight_tile
 from m3lm.kernels.host import precision
 from m3lm.kernels.moe_triton import align, row_blocks
 
@@ -132,6 +135,67 @@ def _moe_fp8_gemm_kernel(
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _pair_gemv_kernel(
+    a_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, y_ptr, scale_ptr, TOP_K, alpha, limit,
+    s_am, s_we, s_wn, s_se, s_sn, s_ym,
+    N: tl.constexpr, KDIM: tl.constexpr, G: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """y[pair, n] for this program's pair and BN outputs n of its expert: a[row] @ W1[e].T, or with
+    G = 2 swiglu(a[row] @ W1[e].T, a[row] @ W3[e].T); times scale[pair] (SCALE). row = the pair
+    (PAIR_ROWS) or its token. One fp32 product per weight, per-lane sums reduced over K at the end."""
+    pair = tl.program_id(0)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    row = pair if PAIR_ROWS else pair // TOP_K
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    wide1 = tl.zeros([BN, BK], tl.float32)
+    wide3 = tl.zeros([BN, BK], tl.float32)
+    for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
+        kk = k0 + tl.arange(0, BK)
+        x = tl.load(a_ptr + row * s_am + kk, mask=kk < KDIM, other=0.0).to(tl.float32)[None, :]
+        wide1 += x * weight_tile(
+            w1_ptr + e * s_we, s1_ptr + e * s_se, offs_n, n_ok, k0, KDIM, s_wn, s_sn, EVEN_K, BK
+        )
+        if G == 2:
+            wide3 += x * weight_tile(
+                w3_ptr + e * s_we, s3_ptr + e * s_se, offs_n, n_ok, k0, KDIM, s_wn, s_sn, EVEN_K, BK
+            )
+    acc = tl.sum(wide1, axis=1)  # [BN]
+    if G == 2:
+        acc = swiglu(acc, tl.sum(wide3, axis=1), alpha, limit)
+    if SCALE:
+        acc = acc * tl.load(scale_ptr + pair)
+    tl.store(y_ptr + pair * s_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+PAIR_GEMV_MAX_PAIRS = 8
+# (BN, BK, warps, stages) of the gate/up (BN outputs: 2 * BN weight rows) and down products.
+PAIR_GEMV_TILES = ((8, 256, 4, 3), (32, 512, 4, 4))
+
+
+def pair_gemv(
+    a, ids, w1, s1, w3=None, s3=None, top_k=1, pair_rows=False, scale=None, out_dtype=None,
+    alpha=0.0, limit=0.0, config=None,
+) -> torch.Tensor:  # fmt: skip
+    """y[pair] = a[row of pair] @ dequant(w1, s1)[ids[pair]].T -> [M, N] (row: the pair or its token);
+    with w3/s3, swiglu(that, the same with w3); times scale[pair] when given. ids [M] (flat)."""
+    m = ids.numel()
+    n, kdim = w1.shape[1], w1.shape[2]
+    bn, bk, warps, stages = config or PAIR_GEMV_TILES[0 if w3 is not None else 1]
+    bk = min(bk, max(32, triton.next_power_of_2(kdim)))
+    y = torch.empty(m, n, device=a.device, dtype=out_dtype or a.dtype)
+    _pair_gemv_kernel[(m, triton.cdiv(n, bn))](
+        a, ids, w1, s1, w3 if w3 is not None else w1, s3 if s3 is not None else s1, y,
+        scale if scale is not None else y, top_k, alpha, limit,
+        a.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), y.stride(0),
+        N=n, KDIM=kdim, G=2 if w3 is not None else 1, PAIR_ROWS=pair_rows, SCALE=scale is not None,
+        EVEN_K=kdim % bk == 0, BN=bn, BK=bk, STAGES=stages, num_warps=warps,
+    )  # fmt: skip
+    return y
+
+
 def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tuple]]:
     """((BLOCK_M, tile) of the gate/up kernel, (BLOCK_M, tile) of the down GEMM) for M pairs.
 
@@ -197,6 +261,13 @@ def moe_pairs_fp8(
     w1/w3 [E, I, C] + scales [E, I, C/32], w2 [E, C, I] + [E, C, I/32]; configs: `tiles`' form.
     """
     t, a = ids.shape
+    if configs is None and t * a <= PAIR_GEMV_MAX_PAIRS:
+        assert w1.stride() == w3.stride() and s1.stride() == s3.stride()
+        flat = ids.flatten().contiguous()
+        x = x.contiguous()
+        h = pair_gemv(x, flat, w1, s1, w3, s3, top_k=a, alpha=alpha, limit=limit)  # [M, I]
+        scale = weights.flatten().float().contiguous()
+        return pair_gemv(h, flat, w2, s2, pair_rows=True, scale=scale, out_dtype=torch.float32).view(t, a, -1)
     (up_m, up_cfg), (down_m, down_cfg) = configs or tiles(t * a, x.dtype)
     aligned = align(ids, w1.shape[0], up_m)
     h = gate_up_fp8(x.contiguous(), w1, s1, w3, s3, t * a, a, aligned, alpha, limit, up_m, up_cfg)  # [M, I]

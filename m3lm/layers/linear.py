@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -44,32 +46,43 @@ def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def packed_rows(a: nn.Module, b: nn.Module) -> tuple[torch.Tensor, ...] | None:
-    """The weights of two layers on the same input as one [Oa + Ob, In] tensor (a's rows, then
-    b's; with MXFP8, the scales likewise), for one product instead of two; None when they differ
-    in kind or width, or would have to be moved during CUDA graph capture.
+def packed_rows(*layers: nn.Module) -> tuple[torch.Tensor, ...] | None:
+    """The weights of layers on the same input as one [O1 + O2 + ..., In] tensor (their rows in
+    order; with MXFP8, the scales likewise), for one product instead of several; None when they
+    differ in kind or width, or would have to be moved during CUDA graph capture.
 
-    The first call moves both into one buffer, and their parameters become views of it, so
+    The first call moves them into one buffer, and their parameters become views of it, so
     loading, state dicts and the unpacked path see the same tensors as before.
     """
+    first = layers[0]
     if (
-        type(a) is not type(b)
-        or not isinstance(a, nn.Linear | MXFP8Linear)
-        or getattr(a, "bias", None) is not None
+        len(layers) < 2
+        or any(type(m) is not type(first) for m in layers)
+        or not isinstance(first, nn.Linear | MXFP8Linear)
+        or any(getattr(m, "bias", None) is not None for m in layers)
     ):
         return None
-    pairs = list(zip(_rows(a), _rows(b), strict=True))
-    if any(ta.shape[1:] != tb.shape[1:] or ta.dtype != tb.dtype for ta, tb in pairs):
+    groups = list(zip(*(_rows(m) for m in layers), strict=True))  # per tensor kind: one per layer
+    if any(t.shape[1:] != g[0].shape[1:] or t.dtype != g[0].dtype for g in groups for t in g):
         return None
-    if not all(_follows(ta, tb) for ta, tb in pairs):
+    if not all(_follows(a, b) for g in groups for a, b in itertools.pairwise(g)):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return None
-        for ta, tb in pairs:
-            both = torch.cat([ta.data, tb.data])
-            ta.data, tb.data = both[: ta.shape[0]], both[ta.shape[0] :]
+        for g in groups:
+            whole = torch.cat([t.data for t in g])
+            for t, part in zip(g, whole.split([t.shape[0] for t in g]), strict=True):
+                t.data = part
     return tuple(
-        ta.detach().as_strided((ta.shape[0] + tb.shape[0], *ta.shape[1:]), ta.stride()) for ta, tb in pairs
+        g[0].detach().as_strided((sum(t.shape[0] for t in g), *g[0].shape[1:]), g[0].stride()) for g in groups
     )
+
+
+def packed_linear(x: torch.Tensor, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x [..., In] @ the `packed_rows` weight .T -> [..., O1 + O2 + ...] (bf16/fp32 or MXFP8)."""
+    flat = x.reshape(-1, x.shape[-1])
+    # MXFP8: values [O, In] e4m3 and scales [O, In/32]; else one weight [O, In]
+    y = mxfp8_linear(flat, *packed) if len(packed) == 2 else nn.functional.linear(flat, packed[0])
+    return y.view(*x.shape[:-1], -1)
 
 
 def to_mxfp8_(owner: nn.Module, names: tuple[str, ...], quantize: bool = False) -> None:

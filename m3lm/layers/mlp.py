@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from m3lm.layers.linear import packed_rows
+from m3lm.layers.linear import packed_linear, packed_rows
 
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -48,12 +48,8 @@ def gate_up_swiglu(
     from m3lm.kernels.fp8_triton import DEQUANT_MIN_T, mxfp8_matmul
 
     flat = x.reshape(-1, x.shape[-1])  # [T, C]
-    if len(packed) == 2:  # MXFP8: values [2I, C] e4m3, scales [2I, C/32]
-        q, scale = packed
-        if flat.shape[0] < DEQUANT_MIN_T:
-            y = mxfp8_matmul(flat, q, scale, act="swiglu", alpha=alpha, limit=limit)
-            return y.view(*x.shape[:-1], -1)
-        h = mxfp8_matmul(flat, q, scale)  # [T, 2I]
-    else:
-        h = nn.functional.linear(flat, packed[0])  # [T, 2I]
+    if len(packed) == 2 and flat.shape[0] < DEQUANT_MIN_T:  # MXFP8: values [2I, C], scales [2I, C/32]
+        y = mxfp8_matmul(flat, *packed, act="swiglu", alpha=alpha, limit=limit)
+        return y.view(*x.shape[:-1], -1)
+    h = packed_linear(flat, packed)  # [T, 2I]
     return fused.swiglu_packed(h, alpha, limit).view(*x.shape[:-1], -1)

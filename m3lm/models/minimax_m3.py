@@ -24,7 +24,7 @@ from m3lm.distributed.shard import check_mxfp8_split, head_ranges, part
 from m3lm.kernels.fp8 import MX_BLOCK, moe_experts_mxfp8, quantize_mxfp8
 from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.msa import msa_attention_ref, msa_attention_sdpa, msa_select_ref
-from m3lm.layers.linear import fp8_parameter, to_mxfp8_
+from m3lm.layers.linear import fp8_parameter, packed_linear, packed_rows, to_mxfp8_
 from m3lm.layers.mlp import MLP
 from m3lm.layers.moe import SPLIT_ROUTER_MIN_T, route, router_logits, split_bf16
 from m3lm.layers.norm import RMSNorm, add_rms_norm
@@ -91,17 +91,39 @@ class Attention(nn.Module):
                 args.index_init_blocks,
             )
 
+    def _products(self, x: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """x [T, C] -> (the packed output [T, W] on the GPU, else None; the q, k, v (index q,
+        index k) projections): on the GPU one product over the packed weights, whose column
+        slices are the projections."""
+        layers = [self.q_proj, self.k_proj, self.v_proj]
+        if self.sparse:
+            layers += [self.index_q_proj, self.index_k_proj]
+        packed = packed_rows(*layers) if x.is_cuda else None
+        if packed is None:
+            return None, [lin(x) for lin in layers]
+        y = packed_linear(x, packed)
+        return y, list(y.split([lin.out_features for lin in layers], dim=-1))
+
+    def _norms(self) -> tuple[torch.Tensor, ...]:
+        heads = (self.q_norm, self.k_norm) + ((self.index_q_norm, self.index_k_norm) if self.sparse else ())
+        return tuple(n.weight for n in heads)
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """x [T, C] -> q [T, H, D], k and v [T, K, D] and, on sparse layers, index queries
         [T, K, Di] and keys [T, Di] (else None): projections, per-head norms and RoPE."""
-        t, eps = x.shape[0], self.q_norm.eps
-        q = norm_rope(self.q_proj(x).view(t, self.n_heads, -1), self.q_norm.weight, eps, cos, sin)
-        k = norm_rope(self.k_proj(x).view(t, self.n_kv, -1), self.k_norm.weight, eps, cos, sin)
-        v = self.v_proj(x).view(t, self.n_kv, -1)
+        return self._heads(self._products(x)[1], cos, sin)
+
+    def _heads(self, outs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """`project` from the projections `outs` (`_products`)."""
+        t, eps = outs[0].shape[0], self.q_norm.eps
+        norms = self._norms()
+        q = norm_rope(outs[0].view(t, self.n_heads, -1), norms[0], eps, cos, sin)
+        k = norm_rope(outs[1].view(t, self.n_kv, -1), norms[1], eps, cos, sin)
+        v = outs[2].view(t, self.n_kv, -1)
         if not self.sparse:
             return q, k, v, None, None
-        iq = norm_rope(self.index_q_proj(x).view(t, self.n_kv, -1), self.index_q_norm.weight, eps, cos, sin)
-        ik = norm_rope(self.index_k_proj(x).view(t, 1, -1), self.index_k_norm.weight, eps, cos, sin)[:, 0]
+        iq = norm_rope(outs[3].view(t, self.n_kv, -1), norms[2], eps, cos, sin)
+        ik = norm_rope(outs[4].view(t, 1, -1), norms[3], eps, cos, sin)[:, 0]
         return q, k, v, iq, ik
 
     def forward(
@@ -146,15 +168,25 @@ class Attention(nn.Module):
 
     def decode(self, x: torch.Tensor, dec: DecodeBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One new token per sequence over the paged caches (GPU kernels; no host sync): [B, C] -> [B, C]."""
-        from m3lm.kernels import msa_triton
+        from m3lm.kernels import fused, msa_triton
 
-        q, k, v, iq, ik = self.project(x, cos, sin)
         cache, layer = dec.cache, self.layer_idx
-        cache.k[layer][dec.pages, dec.slots] = k.to(cache.k[layer].dtype)
-        cache.v[layer][dec.pages, dec.slots] = v.to(cache.v[layer].dtype)
+        y, outs = self._products(x)
+        if y is not None and cache.k[layer].dtype == y.dtype and layer not in cache.ik_scale:
+            # One launch: every head normed and rotated, k, v and the index key into the caches.
+            di = self.index_q_proj.out_features // self.n_kv if self.sparse else 0
+            q, iq = fused.decode_heads(
+                y, (self.n_heads, self.n_kv, self.head_dim, di), self._norms(), self.q_norm.eps, cos, sin,
+                cache.k[layer], cache.v[layer], cache.ik.get(layer), dec.pages, dec.slots,
+            )  # fmt: skip
+        else:
+            q, k, v, iq, ik = self._heads(outs, cos, sin)
+            cache.k[layer][dec.pages, dec.slots] = k.to(cache.k[layer].dtype)
+            cache.v[layer][dec.pages, dec.slots] = v.to(cache.v[layer].dtype)
+            if self.sparse:
+                cache.write_index(layer, dec.pages, dec.slots, ik)
         block_ids = None
         if self.sparse:
-            cache.write_index(layer, dec.pages, dec.slots, ik)
             scale = cache.ik_scale.get(layer)  # per-position scales of fp8 index keys, else None
             scores = msa_triton.index_block_scores(
                 iq, cache.ik[layer], dec.tables, dec.lens, scale
