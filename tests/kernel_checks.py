@@ -160,6 +160,8 @@ def routing_kernels():
             moe_triton.align(ids, e, block_m), moe_triton.align_ref(ids, e, block_m), strict=True
         ):
             assert torch.equal(got, want), (got, want)
+    x, w = torch.randn(3, 2500).bfloat16(), torch.randn(6, 2500)  # C not a whole number of tiles
+    close(moe_triton.router_gemv(x, w), (x.double() @ w.double().T).float(), 1e-3)
 
 
 def mxfp8_weight(*shape, std=0.1):
@@ -230,6 +232,17 @@ def fp8_kernels():
                 moe_pairs_fp8(x, weights, ids, *w1, *w3, *w2, 1.702, 7.0, configs),
                 moe_pairs_ref(x, weights, ids, *deq, 1.702, 7.0),
             )
+    # The shared expert in the per-pair launches: one more row per token, unscaled.
+    t, e, a, c, i = 2, 6, 3, 96, 64
+    x = torch.randn(t, c)
+    w1, w3, w2 = (mxfp8_weight(*shape) for shape in ((e, i, c), (e, i, c), (e, c, i)))
+    sh = [mxfp8_weight(*shape) for shape in ((i, c), (i, c), (c, i))]
+    weights, ids = route(torch.randn(t, e), torch.zeros(e), a)
+    pairs, out = moe_pairs_fp8(x, weights, ids, *w1, *w3, *w2, 1.702, 7.0, shared=(*sh[0], *sh[1], *sh[2]))
+    deq = [dequant_mxfp8(*w) for w in (w1, w3, w2)]
+    close(pairs, moe_pairs_ref(x, weights, ids, *deq, 1.702, 7.0))
+    g, u, d = (dequant_mxfp8(*w) for w in sh)
+    close(out, swiglu_oai_ref(x @ g.T, x @ u.T, 1.702, 7.0) @ d.T)
     lens = torch.tensor([5, 30], dtype=torch.int32)
     ikq, iks = quantize_rows_fp8(torch.randn(20, 4, 16) * 3)
     tables = torch.tensor([[7, 0, 0, 0, 0, 0, 0, 0], [3, 9, 1, 12, 4, 5, 6, 8]], dtype=torch.int32)

@@ -192,8 +192,14 @@ def test_router_logits_from_bf16_slices_match_fp32():
     x = torch.randn(300, 512, generator=gen).bfloat16().to(DEV)
     w = (torch.randn(128, 512, generator=gen) * 0.02).to(DEV)
     want = x.double() @ w.double().T
-    fp32 = router_logits(x, w)
+    fp32 = torch.nn.functional.linear(x.float(), w)
     split = router_logits(x, w, split_bf16(w))
+    for t in (1, 8):  # a decode step's tokens: one Triton launch (`router_gemv`)
+        few = router_logits(x[:t], w)
+        assert (
+            float((few.double() - want[:t]).abs().max())
+            <= 4 * float((fp32[:t].double() - want[:t]).abs().max()) + 1e-6
+        )
     assert split.dtype == torch.float32 and split.shape == (300, 128)
     # fp32 accumulation either way: the split is as close to the exact product as the fp32 GEMM
     err = float((split.double() - want).abs().max())
@@ -484,6 +490,31 @@ def test_fp8_moe_pairs_match_reference(dtype, t, swap):
     ref = weights[..., None] * torch.einsum("tai,taci->tac", swiglu_oai_ref(gate, up, 1.702, 7.0), w2[ids])
     assert out.shape == (t, a, c)
     assert rel(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_fp8_moe_pairs_with_shared_expert_match_reference(t):
+    """A decode step's pairs one program each, the shared expert in the same launches."""
+    from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
+    from m3lm.kernels.moe_fp8_triton import moe_pairs_fp8, pair_path
+    from m3lm.layers.mlp import swiglu_oai_ref
+
+    e, a, c, i = 32, 4, 512, 256
+    assert pair_path(t * a)
+    gen = torch.Generator(device="cpu").manual_seed(t)
+    x = torch.randn(t, c, generator=gen).to(DEV, torch.bfloat16)
+    shapes = ((e, i, c), (e, i, c), (e, c, i), (i, c), (i, c), (c, i))
+    ws = [[u.to(DEV) for u in quantize_mxfp8(torch.randn(*sh, generator=gen) * 0.05)] for sh in shapes]
+    weights, ids = route(torch.randn(t, e, generator=gen).to(DEV), torch.zeros(e, device=DEV), a)
+    pairs, shared = moe_pairs_fp8(
+        x, weights, ids, *ws[0], *ws[1], *ws[2], 1.702, 7.0, shared=(*ws[3], *ws[4], *ws[5])
+    )
+    w1, w3, w2, g, u, d = (dequant_mxfp8(*w) for w in ws)
+    gate, up = (torch.einsum("tc,taic->tai", x.float(), w[ids]) for w in (w1, w3))
+    ref = weights[..., None] * torch.einsum("tai,taci->tac", swiglu_oai_ref(gate, up, 1.702, 7.0), w2[ids])
+    assert pairs.shape == (t, a, c) and shared.shape == (t, c)
+    assert rel(pairs, ref) < 2e-2
+    assert rel(shared, swiglu_oai_ref(x.float() @ g.T, x.float() @ u.T, 1.702, 7.0) @ d.T) < 2e-2
 
 
 def test_fp8_index_scores_match_reference():

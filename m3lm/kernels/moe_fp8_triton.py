@@ -137,17 +137,24 @@ def _moe_fp8_gemm_kernel(
 
 @triton.jit
 def _pair_gemv_kernel(
-    a_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, y_ptr, scale_ptr, TOP_K, alpha, limit,
-    s_am, s_we, s_wn, s_se, s_sn, s_ym,
+    a_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, y_ptr, scale_ptr, v1_ptr, r1_ptr, v3_ptr, r3_ptr,
+    M, TOP_K, alpha, limit, s_am, s_we, s_wn, s_se, s_sn, s_ym,
     N: tl.constexpr, KDIM: tl.constexpr, G: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr,
     EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """y[pair, n] for this program's pair and BN outputs n of its expert: a[row] @ W1[e].T, or with
     G = 2 swiglu(a[row] @ W1[e].T, a[row] @ W3[e].T); times scale[pair] (SCALE). row = the pair
-    (PAIR_ROWS) or its token. One fp32 product per weight, per-lane sums reduced over K at the end."""
+    (PAIR_ROWS) or its token. Programs past the M routed pairs take the shared expert (v1/r1,
+    v3/r3: one [N, KDIM] weight), one per token, unscaled, rounded to a's dtype as the shared MLP
+    rounds it. One fp32 product per weight, per-lane sums reduced over K at the end."""
     pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    row = pair if PAIR_ROWS else pair // TOP_K
+    shared = pair >= M
+    e = tl.load(ids_ptr + tl.minimum(pair, M - 1)).to(tl.int64)
+    row = pair if PAIR_ROWS else tl.where(shared, pair - M, pair // TOP_K)
+    q1 = tl.where(shared, v1_ptr, w1_ptr + e * s_we)
+    q1s = tl.where(shared, r1_ptr, s1_ptr + e * s_se)
+    q3 = tl.where(shared, v3_ptr, w3_ptr + e * s_we)
+    q3s = tl.where(shared, r3_ptr, s3_ptr + e * s_se)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     wide1 = tl.zeros([BN, BK], tl.float32)
@@ -155,40 +162,51 @@ def _pair_gemv_kernel(
     for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
         kk = k0 + tl.arange(0, BK)
         x = tl.load(a_ptr + row * s_am + kk, mask=kk < KDIM, other=0.0).to(tl.float32)[None, :]
-        wide1 += x * weight_tile(
-            w1_ptr + e * s_we, s1_ptr + e * s_se, offs_n, n_ok, k0, KDIM, s_wn, s_sn, EVEN_K, BK
-        )
+        wide1 += x * weight_tile(q1, q1s, offs_n, n_ok, k0, KDIM, s_wn, s_sn, EVEN_K, BK)
         if G == 2:
-            wide3 += x * weight_tile(
-                w3_ptr + e * s_we, s3_ptr + e * s_se, offs_n, n_ok, k0, KDIM, s_wn, s_sn, EVEN_K, BK
-            )
+            wide3 += x * weight_tile(q3, q3s, offs_n, n_ok, k0, KDIM, s_wn, s_sn, EVEN_K, BK)
     acc = tl.sum(wide1, axis=1)  # [BN]
     if G == 2:
         acc = swiglu(acc, tl.sum(wide3, axis=1), alpha, limit)
     if SCALE:
-        acc = acc * tl.load(scale_ptr + pair)
+        weight = tl.load(scale_ptr + tl.minimum(pair, M - 1))
+        acc = tl.where(shared, acc.to(a_ptr.dtype.element_ty).to(tl.float32), acc * weight)
     tl.store(y_ptr + pair * s_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 PAIR_GEMV_MAX_PAIRS = 8
+
+
+def pair_path(m: int) -> bool:
+    """Whether M token-expert pairs go one program each (`pair_gemv`) rather than aligned tiles."""
+    return m <= PAIR_GEMV_MAX_PAIRS
+
+
 # (BN, BK, warps, stages) of the gate/up (BN outputs: 2 * BN weight rows) and down products.
 PAIR_GEMV_TILES = ((8, 256, 4, 3), (32, 512, 4, 4))
 
 
 def pair_gemv(
     a, ids, w1, s1, w3=None, s3=None, top_k=1, pair_rows=False, scale=None, out_dtype=None,
-    alpha=0.0, limit=0.0, config=None,
+    alpha=0.0, limit=0.0, config=None, shared=None, n_shared=0,
 ) -> torch.Tensor:  # fmt: skip
     """y[pair] = a[row of pair] @ dequant(w1, s1)[ids[pair]].T -> [M, N] (row: the pair or its token);
-    with w3/s3, swiglu(that, the same with w3); times scale[pair] when given. ids [M] (flat)."""
+    with w3/s3, swiglu(that, the same with w3); times scale[pair] when given. ids [M] (flat).
+
+    shared: the shared expert's (values, scales) of w1 (and w3), [N, In]: n_shared more rows
+    after the M pairs (one per token), each its row of `a` times the shared weight, unscaled."""
     m = ids.numel()
     n, kdim = w1.shape[1], w1.shape[2]
+    shared = shared or (w1, s1, w3, s3)
+    for t, r in zip(shared, (w1, s1, w1, s1), strict=True):  # one expert's shape and layout
+        assert t is None or (t.shape[-2:] == r.shape[-2:] and t.stride()[-2:] == r.stride()[-2:])
     bn, bk, warps, stages = config or PAIR_GEMV_TILES[0 if w3 is not None else 1]
     bk = min(bk, max(32, triton.next_power_of_2(kdim)))
-    y = torch.empty(m, n, device=a.device, dtype=out_dtype or a.dtype)
-    _pair_gemv_kernel[(m, triton.cdiv(n, bn))](
+    y = torch.empty(m + n_shared, n, device=a.device, dtype=out_dtype or a.dtype)
+    v1, r1, v3, r3 = (t if t is not None else r for t, r in zip(shared, (w1, s1, w1, s1), strict=True))
+    _pair_gemv_kernel[(m + n_shared, triton.cdiv(n, bn))](
         a, ids, w1, s1, w3 if w3 is not None else w1, s3 if s3 is not None else s1, y,
-        scale if scale is not None else y, top_k, alpha, limit,
+        scale if scale is not None else y, v1, r1, v3, r3, m, top_k, alpha, limit,
         a.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), y.stride(0),
         N=n, KDIM=kdim, G=2 if w3 is not None else 1, PAIR_ROWS=pair_rows, SCALE=scale is not None,
         EVEN_K=kdim % bk == 0, BN=bn, BK=bk, STAGES=stages, num_warps=warps,
@@ -254,20 +272,33 @@ def grouped_gemm_fp8(
 
 
 def moe_pairs_fp8(
-    x, weights, ids, w1, s1, w3, s3, w2, s2, alpha: float, limit: float, configs=None
-) -> torch.Tensor:
+    x, weights, ids, w1, s1, w3, s3, w2, s2, alpha: float, limit: float, configs=None, shared=None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """weights[t, a] * expert_{ids[t, a]}(x[t]) for every pair -> [T, A, C] fp32, not yet summed over A.
 
     w1/w3 [E, I, C] + scales [E, I, C/32], w2 [E, C, I] + [E, C, I/32]; configs: `tiles`' form.
+    shared: the shared expert's (w1, s1, w3, s3, w2, s2) [I, C] / [C, I] + scales, taken in the
+    same launches when the pairs go one program each (`pair_path`): then (pairs, its output [T, C]
+    fp32 rounded to x's dtype) is returned.
     """
     t, a = ids.shape
-    if configs is None and t * a <= PAIR_GEMV_MAX_PAIRS:
+    if configs is None and pair_path(t * a):
         assert w1.stride() == w3.stride() and s1.stride() == s3.stride()
         flat = ids.flatten().contiguous()
         x = x.contiguous()
-        h = pair_gemv(x, flat, w1, s1, w3, s3, top_k=a, alpha=alpha, limit=limit)  # [M, I]
+        n_sh = t if shared is not None else 0
+        sh1, sh2 = (shared[:4], shared[4:]) if shared is not None else (None, None)
+        h = pair_gemv(
+            x, flat, w1, s1, w3, s3, a, alpha=alpha, limit=limit, shared=sh1, n_shared=n_sh
+        )  # [M+t, I]
         scale = weights.flatten().float().contiguous()
-        return pair_gemv(h, flat, w2, s2, pair_rows=True, scale=scale, out_dtype=torch.float32).view(t, a, -1)
+        down = pair_gemv(
+            h, flat, w2, s2, pair_rows=True, scale=scale, out_dtype=torch.float32,
+            shared=sh2 and (*sh2, None, None), n_shared=n_sh,
+        )  # fmt: skip
+        pairs = down[: t * a].view(t, a, -1)
+        return (pairs, down[t * a :]) if shared is not None else pairs
+    assert shared is None, "the shared expert joins only the per-pair path"
     (up_m, up_cfg), (down_m, down_cfg) = configs or tiles(t * a, x.dtype)
     aligned = align(ids, w1.shape[0], up_m)
     h = gate_up_fp8(x.contiguous(), w1, s1, w3, s3, t * a, a, aligned, alpha, limit, up_m, up_cfg)  # [M, I]

@@ -132,6 +132,37 @@ def route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[
 
 
 @triton.jit
+def _router_gemv_kernel(x_ptr, w_ptr, y_ptr, s_xt, s_we, s_yt, C: tl.constexpr, BK: tl.constexpr):
+    """y[t, e] = sum_c x[t, c] * w[e, c] in fp32 (x converted exactly), one program per (t, e)."""
+    t = tl.program_id(0)
+    e = tl.program_id(1)
+    offs = tl.arange(0, BK)
+    wide = tl.zeros([BK], tl.float32)
+    for k0 in range(0, C, BK):
+        kk = k0 + offs
+        x = tl.load(x_ptr + t * s_xt + kk, mask=kk < C, other=0.0).to(tl.float32)
+        wide += x * tl.load(w_ptr + e * s_we + kk, mask=kk < C, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * s_yt + e, tl.sum(wide, axis=0))
+
+
+ROUTER_GEMV_MAX_T = 8
+
+
+def router_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`layers.moe.router_logits` for a few tokens (decode): x [T, C] @ weight [E, C].T in fp32 -> [T, E],
+    one launch on the CUDA cores (fp32 products, no tf32), instead of a cast and a vendor GEMV."""
+    t, c = x.shape
+    e = weight.shape[0]
+    x, weight = x.contiguous(), weight.contiguous()
+    y = torch.empty(t, e, device=x.device, dtype=torch.float32)
+    _router_gemv_kernel[(t, e)](
+        x, weight, y, x.stride(0), weight.stride(0), y.stride(0), C=c, BK=min(1024, triton.next_power_of_2(c)),
+        num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
 def grouped_pid(pid, n_programs, N: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """(row block, column block) of program `pid` in a grouped order: GROUP_M row blocks sweep
     every column block before the next group starts, so their rows (gathered tokens) and the

@@ -21,11 +21,17 @@ def split_bf16(w: torch.Tensor) -> torch.Tensor:
 def router_logits(x: torch.Tensor, weight: torch.Tensor, split: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, C] @ weight [E, C].T in fp32 -> [T, E] fp32.
 
-    With `split` (= split_bf16(weight)) and bf16 x on the GPU: one bf16 GEMM against the three
+    On the GPU, up to ROUTER_GEMV_MAX_T tokens take one Triton launch (`router_gemv`). With
+    `split` (= split_bf16(weight)) and bf16 x on the GPU: one bf16 GEMM against the three
     slices with fp32 output, summed. The product of a bf16 input and a bf16 slice is exact in fp32
     and fp32 accumulates, so this is the fp32 product up to the order of summation, on the
     tensor cores instead of fp32 units.
     """
+    if x.is_cuda and split is None:
+        from m3lm.kernels.moe_triton import ROUTER_GEMV_MAX_T, router_gemv
+
+        if x.shape[0] <= ROUTER_GEMV_MAX_T:  # a decode step: one launch reading the fp32 weight once
+            return router_gemv(x, weight)
     if split is None or not x.is_cuda or x.dtype != torch.bfloat16:
         return torch.nn.functional.linear(x.float(), weight)
     e = weight.shape[0]

@@ -24,7 +24,7 @@ from m3lm.distributed.shard import check_mxfp8_split, head_ranges, part
 from m3lm.kernels.fp8 import MX_BLOCK, moe_experts_mxfp8, quantize_mxfp8
 from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.msa import msa_attention_ref, msa_attention_sdpa, msa_select_ref
-from m3lm.layers.linear import fp8_parameter, packed_linear, packed_rows, to_mxfp8_
+from m3lm.layers.linear import MXFP8Linear, fp8_parameter, packed_linear, packed_rows, to_mxfp8_
 from m3lm.layers.mlp import MLP
 from m3lm.layers.moe import SPLIT_ROUTER_MIN_T, route, router_logits, split_bf16
 from m3lm.layers.norm import RMSNorm, add_rms_norm
@@ -261,6 +261,17 @@ class MoE(nn.Module):
             self._split, self._split_of = split_bf16(w.detach()), (w.data_ptr(), w._version)
         return self._split
 
+    def _shared_fp8(self) -> tuple[torch.Tensor, ...] | None:
+        """The shared expert's MXFP8 (gate, gate scales, up, up scales, down, down scales) when it
+        has a routed expert's shape, so that it can join their per-pair launches; else None."""
+        sh, ex = self.shared_experts, self.experts
+        lins = (sh.gate_proj, sh.up_proj, sh.down_proj)
+        if not all(isinstance(lin, MXFP8Linear) for lin in lins):
+            return None
+        if sh.gate_proj.weight.shape != ex.w1.shape[1:] or sh.down_proj.weight.shape != ex.w2.shape[1:]:
+            return None
+        return tuple(t for lin in lins for t in (lin.weight, lin.weight_scale))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = router_logits(x, self.gate.weight, self._router_split(x))  # [T, E] fp32
         weights, ids = route(logits, self.e_score_correction_bias, self.top_k)  # [T, A]
@@ -275,9 +286,13 @@ class MoE(nn.Module):
             # weighted output per token-expert pair; one pass sums them, scales, adds the shared
             # expert and casts.
             from m3lm.kernels.fused import moe_combine
-            from m3lm.kernels.moe_fp8_triton import moe_pairs_fp8
+            from m3lm.kernels.moe_fp8_triton import moe_pairs_fp8, pair_path
             from m3lm.kernels.moe_triton import moe_pairs
 
+            shared = self._shared_fp8() if fp8 and pair_path(x.shape[0] * self.top_k) else None
+            if shared is not None:  # a decode step: the shared expert runs in the routed experts' launches
+                pairs, out = moe_pairs_fp8(x, weights, ids, *stacked, self.alpha, self.limit, shared=shared)
+                return moe_combine(pairs, out, self.scaling)
             pairs = (moe_pairs_fp8 if fp8 else moe_pairs)(x, weights, ids, *stacked, self.alpha, self.limit)
             return moe_combine(pairs, self.shared_experts(x), self.scaling)  # pairs [T, A, C] fp32
         if x.is_cuda and not fp8:
