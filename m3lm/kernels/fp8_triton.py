@@ -47,10 +47,11 @@ class Config(NamedTuple):
 
 
 # Tunables. Chosen from the compiled kernels' resources (registers, shared memory, 16-byte loads)
-# and kept after a GPU check: `benchmarks/fp8_configs.py` sweeps them at the release's shapes
-# (`benchmarks/results/fp8_configs_h200.md`). Its per-kernel winners (the tensor-core GEMV with 32
-# rows x 512 inputs) made the graph-captured batch-1 step slower (decoder layers 1.03 -> 1.10
-# ms), so they are not the defaults.
+# and kept after a GPU check. At one row, `benchmarks/fp8_graph_sweep.py` times them as the
+# captured decode step runs them (in a CUDA graph, weights cold in L2): 32 weight rows x 512
+# inputs, 4 stages, at least one program per SM is the best or within 1 us of it on every
+# projection of the release (`benchmarks/results/fp8_graph_sweep_h200.md`). `fp8_configs.py`
+# covers 2-64 rows (launch overheads included).
 GEMV_MAX_T = 16  # at most this many rows: the GEMV kernel
 # Per largest T of a bucket: the GEMV tile. Its BN is an upper bound: `matmul_config` halves it
 # (down to GEMV_MIN_BN) until the grid has GEMV_PROGRAMS_PER_SM programs per multiprocessor, and
