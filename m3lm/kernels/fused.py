@@ -60,6 +60,32 @@ def add_rms_norm(
 
 
 @triton.jit
+def _rope_lanes(HALF: tl.constexpr, DP: tl.constexpr):
+    """Channels [DP]: offsets, which rotate (the first 2 * HALF), which are in the first half, and
+    each one's rotation partner."""
+    offs = tl.arange(0, DP)
+    first = offs < HALF
+    return offs, offs < 2 * HALF, first, tl.where(first, offs + HALF, offs - HALF)
+
+
+@triton.jit
+def _norm_rope_rows(
+    x, xp, w, wp, dim, cos_ptr, sin_ptr, t, p_ok, offs, rot, first, eps, act: tl.constexpr, HALF: tl.constexpr
+):  # fmt: skip
+    """Rows x [BR, DP] (xp: each channel's partner) normed over `dim` channels with weights w, wp
+    (times 1 + w), then rotated by token t's cos/sin: fp32 [BR, DP]. The norm's output is rounded
+    to the activation dtype `act` before the rotation, as the reference's two steps round it."""
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)  # [BR]
+    y = (x * inv[:, None] * (1.0 + w)).to(act).to(tl.float32)
+    yp = (xp * inv[:, None] * (1.0 + wp)).to(act).to(tl.float32)
+    j = tl.where(first, offs, offs - HALF)
+    c = tl.load(cos_ptr + t[:, None] * HALF + j[None, :], mask=p_ok, other=1.0)
+    s = tl.load(sin_ptr + t[:, None] * HALF + j[None, :], mask=p_ok, other=0.0)
+    out = tl.where(first[None, :], y * c - yp * s, y * c + yp * s)
+    return tl.where(rot[None, :], out, y)
+
+
+@triton.jit
 def _norm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, heads, s_xt, s_xh, eps,
     D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr,
@@ -68,26 +94,16 @@ def _norm_rope_kernel(
     row_ok = rows < n_rows
     t = (rows // heads).to(tl.int64)
     base = x_ptr + t[:, None] * s_xt + (rows % heads)[:, None] * s_xh  # [BR, 1]
-    offs = tl.arange(0, DP)
+    offs, rot, first, partner = _rope_lanes(HALF, DP)
     ok = row_ok[:, None] & (offs[None, :] < D)
-    rot = offs < 2 * HALF
-    first = offs < HALF
-    partner = tl.where(first, offs + HALF, offs - HALF)
     p_ok = row_ok[:, None] & rot[None, :]
     x = tl.load(base + offs[None, :], mask=ok, other=0.0).to(tl.float32)  # [BR, DP]
     xp = tl.load(base + partner[None, :], mask=p_ok, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [BR]
-    # The per-head norm's output is rounded to the activation dtype before the rotation, as the
-    # reference's two steps round it.
-    y = (x * inv[:, None] * (1.0 + w[None, :])).to(y_ptr.dtype.element_ty).to(tl.float32)
-    yp = (xp * inv[:, None] * (1.0 + wp[None, :])).to(y_ptr.dtype.element_ty).to(tl.float32)
-    j = tl.where(first, offs, offs - HALF)
-    c = tl.load(cos_ptr + t[:, None] * HALF + j[None, :], mask=p_ok, other=1.0)
-    s = tl.load(sin_ptr + t[:, None] * HALF + j[None, :], mask=p_ok, other=0.0)
-    out = tl.where(first[None, :], y * c - yp * s, y * c + yp * s)
-    out = tl.where(rot[None, :], out, y)
+    w = tl.load(w_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)[None, :]
+    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
+    out = _norm_rope_rows(
+        x, xp, w, wp, D, cos_ptr, sin_ptr, t, p_ok, offs, rot, first, eps, y_ptr.dtype.element_ty, HALF
+    )
     tl.store(y_ptr + rows[:, None].to(tl.int64) * D + offs[None, :], out.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -131,26 +147,16 @@ def _decode_heads_kernel(
     dim = tl.where(seg >= 3, DI, D)  # [BR]
     col = tl.where(seg < 3, hh * D, (H + 2 * K) * D + head * DI + (seg == 4).to(tl.int32) * K * DI)
     base = y_ptr + t[:, None] * s_yt + col[:, None]
-    offs = tl.arange(0, DP)
+    offs, rot, first, partner = _rope_lanes(HALF, DP)
     ok = row_ok[:, None] & (offs[None, :] < dim[:, None])
-    rot = offs < 2 * HALF
-    first = offs < HALF
-    partner = tl.where(first, offs + HALF, offs - HALF)
     p_ok = row_ok[:, None] & rot[None, :]
     x = tl.load(base + offs[None, :], mask=ok, other=0.0).to(tl.float32)  # [BR, DP]
     xp = tl.load(base + partner[None, :], mask=p_ok, other=0.0).to(tl.float32)
     w_ptr = tl.where(seg == 0, qw_ptr, tl.where(seg == 1, kw_ptr, tl.where(seg == 3, iqw_ptr, ikw_ptr)))
     w = tl.load(w_ptr[:, None] + offs[None, :], mask=ok & (seg != 2)[:, None], other=0.0).to(tl.float32)
     wp = tl.load(w_ptr[:, None] + partner[None, :], mask=p_ok & (seg != 2)[:, None], other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)  # [BR]
     act = y_ptr.dtype.element_ty
-    y = (x * inv[:, None] * (1.0 + w)).to(act).to(tl.float32)  # the norm's output, rounded as in norm_rope
-    yp = (xp * inv[:, None] * (1.0 + wp)).to(act).to(tl.float32)
-    j = tl.where(first, offs, offs - HALF)
-    c = tl.load(cos_ptr + t[:, None] * HALF + j[None, :], mask=p_ok, other=1.0)
-    sn = tl.load(sin_ptr + t[:, None] * HALF + j[None, :], mask=p_ok, other=0.0)
-    out = tl.where(first[None, :], y * c - yp * sn, y * c + yp * sn)
-    out = tl.where(rot[None, :], out, y)
+    out = _norm_rope_rows(x, xp, w, wp, dim, cos_ptr, sin_ptr, t, p_ok, offs, rot, first, eps, act, HALF)
     out = tl.where((seg == 2)[:, None], x, out).to(act)  # v: as projected
     page = tl.load(pages_ptr + t, mask=row_ok, other=0)
     slot = tl.load(slots_ptr + t, mask=row_ok, other=0)
