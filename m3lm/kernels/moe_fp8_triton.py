@@ -197,13 +197,16 @@ def pair_gemv(
     after the M pairs (one per token), each its row of `a` times the shared weight, unscaled."""
     m = ids.numel()
     n, kdim = w1.shape[1], w1.shape[2]
-    shared = shared or (w1, s1, w3, s3)
-    for t, r in zip(shared, (w1, s1, w1, s1), strict=True):  # one expert's shape and layout
-        assert t is None or (t.shape[-2:] == r.shape[-2:] and t.stride()[-2:] == r.stride()[-2:])
+    if shared is None:
+        assert n_shared == 0
+        shared = (None,) * 4
+    # The shared weight stands where an expert's would: one expert's shape and layout.
+    for t, like in zip(shared, (w1, s1, w1, s1), strict=True):
+        assert t is None or (t.shape == like.shape[1:] and t.stride() == like.stride()[1:])
+    v1, r1, v3, r3 = (t if t is not None else like for t, like in zip(shared, (w1, s1, w1, s1), strict=True))
     bn, bk, warps, stages = config or PAIR_GEMV_TILES[0 if w3 is not None else 1]
     bk = min(bk, max(32, triton.next_power_of_2(kdim)))
     y = torch.empty(m + n_shared, n, device=a.device, dtype=out_dtype or a.dtype)
-    v1, r1, v3, r3 = (t if t is not None else r for t, r in zip(shared, (w1, s1, w1, s1), strict=True))
     _pair_gemv_kernel[(m + n_shared, triton.cdiv(n, bn))](
         a, ids, w1, s1, w3 if w3 is not None else w1, s3 if s3 is not None else s1, y,
         scale if scale is not None else y, v1, r1, v3, r3, m, top_k, alpha, limit,
