@@ -1,6 +1,6 @@
 """Program shape of the block-sparse prefill attention kernel on the release's dimensions (GPU).
 
-Times `msa_prefill_attention` under each (query rows per program, warps, stages) for the
+Times `msa_prefill_attention` under each (query rows per program, warps, stages, keys per step) for the
 selections `m3lm bench --attention` uses, and prints each case's best. The winner becomes the
 kernel's default. Run: `PYTHONPATH=. python3 benchmarks/prefill_configs.py [LENGTH:KIND ...]`.
 """
@@ -18,7 +18,12 @@ from m3lm.bench import build_slice
 from m3lm.bench_attention import selection
 from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
 
-CONFIGS = [*itertools.product((32,), (2, 4), (3, 4)), *itertools.product((64, 128), (4, 8), (2, 3))]
+CONFIGS = [
+    *itertools.product((64,), (4,), (2, 3, 4), (32, 64)),
+    (64, 4, 3, 128),
+    *itertools.product((128,), (8,), (2, 3), (64, 128)),
+    (32, 4, 3, 64),
+]
 
 
 def main() -> None:

@@ -69,18 +69,28 @@ def decode_kernels():
 
 
 def prefill_kernel():
-    for t_len, tk, h, k, d, s, topk in [
-        (33, 61, 8, 2, 16, 4, 3),
-        (64, 64, 16, 2, 16, 8, 4),
-        (30, 70, 8, 2, 16, 16, 2),
+    # The last two take blocks 16 keys a step: two steps per block, the second one partly past
+    # the block (24 keys) or past the tile's last query.
+    for t_len, tk, h, k, d, s, topk, keys in [
+        (33, 61, 8, 2, 16, 4, 3, 64),
+        (64, 64, 16, 2, 16, 8, 4, 64),
+        (30, 70, 8, 2, 16, 16, 2, 64),
+        (45, 150, 8, 2, 16, 32, 2, 16),
+        (50, 100, 8, 2, 16, 24, 2, 16),
+        (40, 800, 8, 2, 16, 8, 8, 64),  # 16 queries x 8 of 100 blocks: two words of bits a query
     ]:
         q, kk, vv = torch.randn(t_len, h, d), torch.randn(tk, k, d), torch.randn(tk, k, d)
         pos = torch.arange(tk - t_len, tk)
         sel = msa_select_ref(torch.randn(t_len, k, d), torch.randn(tk, d), pos, s, topk, 1, 0)
+        cfg = (64, 4, 2, keys)
         close(
-            msa_prefill_attention(q, kk, vv, pos, 0.3, sel, s), msa_attention_ref(q, kk, vv, pos, 0.3, sel, s)
+            msa_prefill_attention(q, kk, vv, pos, 0.3, sel, s, config=cfg),
+            msa_attention_ref(q, kk, vv, pos, 0.3, sel, s),
         )
-        close(msa_prefill_attention(q, kk, vv, pos, 0.3, None, s), msa_attention_ref(q, kk, vv, pos, 0.3))
+        close(
+            msa_prefill_attention(q, kk, vv, pos, 0.3, None, s, config=cfg),
+            msa_attention_ref(q, kk, vv, pos, 0.3),
+        )
 
 
 def prefill_selection():
@@ -100,8 +110,9 @@ def prefill_selection():
         scores = scores.masked_fill(torch.arange(n)[None, None, :] > (pos // s)[None, :, None], float("-inf"))
         got = select_blocks(scores, first, s, topk, local, init)
         assert torch.equal(got.long(), select_blocks_ref(scores, pos, s, topk, local, init))
-    # The union of each tile's selections, in one or several chunks of block ids.
-    for t_len, n, k, bq in [(10, 12, 3, 4), (13, 600, 5, 4)]:
+    # The union of each tile's selections, in one or several chunks of block ids, and each
+    # query's bits over it (two words a query in the last case).
+    for t_len, n, k, bq in [(10, 12, 3, 4), (13, 600, 5, 4), (40, 600, 5, 16)]:
         ids = torch.stack([torch.randperm(n)[:k] for _ in range(2 * t_len)]).view(2, t_len, k)
         ids[0, 3, 1:] = -1
         for got, want in zip(tile_blocks(ids, bq, n), tile_blocks_ref(ids, bq), strict=True):

@@ -2,11 +2,14 @@
 
 One program takes BQ consecutive queries of one KV group (BQ x G rows: every query head of the
 group, about 64 rows) and walks only the union of the key blocks its queries selected, listed
-ahead of time per tile (`tile_blocks`: sorted, deduplicated). Rows whose query did not select a
-block, and keys in a query's future, are masked. Softmax is online in fp32, as in flash
-attention, so nothing of size [T, Tk] exists. Adjacent queries select mostly the same blocks, so
-the union stays close to k blocks and the work close to the exact sparse product. Without a
-selection every visible block is taken: plain causal flash attention.
+ahead of time per tile (`tile_blocks`: sorted, deduplicated, with a bit per query and union
+slot), BN keys a step (64: half a block, so that two programs share an SM and one's softmax
+runs under the other's matrix products). Rows whose query did not select a block, and keys in a
+query's future, are masked; the last block's steps past the tile's last query are skipped.
+Softmax is online in fp32, as in flash attention, so nothing of size [T, Tk] exists. Adjacent
+queries select mostly the same blocks, so the union stays close to k blocks and the work close
+to the exact sparse product. Without a selection every visible block is taken: plain causal
+flash attention.
 
 Shapes: T queries at consecutive positions q_pos, Tk keys at positions 0..Tk-1, H = K x G query
 heads, D head dim, S block size, k selected blocks per query and group, NT = ceil(T / BQ) tiles,
@@ -15,6 +18,8 @@ U = BQ x k union slots per tile.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -22,36 +27,46 @@ import triton.language as tl
 from m3lm.kernels.host import interpreted, pad, precision
 
 ROWS = 64  # query rows (queries x heads of a group) per program
+# (query rows, warps, pipeline stages, keys per step): 64 keys a step keep two programs on an SM
+CONFIG = (ROWS, 4, 3, 64)
+CONFIG_FP32 = (ROWS, 4, 2, 64)
 _NONE = 1 << 30  # padding of the union lists
+_FAR = tl.constexpr(1 << 30)  # a key position past every query (masked keys)
 SCORE_BUDGET = 1 << 26  # fp32 block scores held at once by `msa_select`
 
 
 @triton.jit
 def _attend_block(
-    i, count, q, sel, blocks_ptr, k_ptr, v_ptr, kh, s_kt, s_kh, row_ok, pos, tk, qk_scale, m_i, l_i, acc,
-    offs_d, D: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, SPARSE: tl.constexpr, PREC: tl.constexpr,
+    j, n_iter, q, bits, blocks_ptr, k_ptr, v_ptr, kh, s_kt, s_kh, row_ok, pos, tk, qk_scale, m_i, l_i, acc,
+    offs_d, D: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr, SPARSE: tl.constexpr,
+    W: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """One key block (the i-th of the tile's list) into the online softmax of every row."""
-    live = i < count
+    """Keys BN at a time: sub-block j % NSUB of the (j // NSUB)-th block of the tile's list, into
+    the online softmax of every row. `bits`: each row's word of `tile_blocks`' bits (W = 1) or
+    pointers to its words."""
+    i = j // NSUB
+    live = j < n_iter
     if SPARSE:
         blk = tl.load(blocks_ptr + i, mask=live, other=0)
-        take = tl.sum((sel == blk).to(tl.int32), axis=1) > 0  # [RP] rows whose query chose blk
+        word = bits if W == 1 else tl.load(bits + i // 64, mask=row_ok, other=0)
+        take = ((word >> (i % 64).to(tl.int64)) & 1) != 0  # [RP] rows whose query chose blk
     else:
         blk = i
         take = row_ok
-    offs_s = tl.arange(0, SP)
+    offs_s = (j % NSUB) * BN + tl.arange(0, BN)  # offsets inside the block
     key_pos = blk * S + offs_s
     key_ok = live & (offs_s < S) & (key_pos < tk)
     d_ok = offs_d[None, :] < D
     kv = key_pos[:, None] * s_kt + kh * s_kh + offs_d[None, :]
     kb = tl.load(k_ptr + kv, mask=key_ok[:, None] & d_ok, other=0.0)
     vb = tl.load(v_ptr + kv, mask=key_ok[:, None] & d_ok, other=0.0)
-    s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32, input_precision=PREC) * qk_scale  # [RP, SP]
-    keep = take[:, None] & key_ok[None, :] & (key_pos[None, :] <= pos[:, None])
-    s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32, input_precision=PREC)  # [RP, BN]
+    # A row keeps the keys it chose, up to its own position: one compare per score.
+    lim = tl.where(take, pos, -1)  # [RP] the last key each row keeps
+    s = tl.where(tl.where(key_ok, key_pos, _FAR)[None, :] <= lim[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # running max, in log2 units
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, out_dtype=tl.float32, input_precision=PREC)
@@ -60,13 +75,14 @@ def _attend_block(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, sel_ptr, blocks_ptr, count_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bits_ptr, blocks_ptr, count_ptr, out_ptr,
     first_pos, t_len, tk, qk_scale,
-    s_qt, s_qh, s_kt, s_kh, s_sk, s_st, s_bk, s_bt, s_ck, s_ot, s_oh,
+    s_qt, s_qh, s_kt, s_kh, s_wk, s_wt, s_bk, s_bt, s_ck, s_ot, s_oh,
     G: tl.constexpr, BQ: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    S: tl.constexpr, SP: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, SPARSE: tl.constexpr,
+    S: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, SPARSE: tl.constexpr,
     MAX_ITERS: tl.constexpr, DYNAMIC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
+    NSUB: tl.constexpr = (S + BN - 1) // BN  # key sub-blocks per block
     tile = tl.program_id(0)
     kh = tl.program_id(1)
     rows = tl.arange(0, RP)
@@ -83,33 +99,29 @@ def _prefill_kernel(
     )
     last = tl.minimum(first_pos + tile * BQ + BQ - 1, first_pos + t_len - 1)  # the tile's last query
     if SPARSE:
-        offs_k = tl.arange(0, KP)
-        sel = tl.load(
-            sel_ptr + kh * s_sk + t[:, None] * s_st + offs_k[None, :],
-            mask=row_ok[:, None] & (offs_k[None, :] < TOPK),
-            other=-1,
-        )  # [RP, KP] each row's selected blocks
+        bits = bits_ptr + kh * s_wk + tile * s_wt + (rows // G) * W  # [RP] each row's query's words
+        if W == 1:
+            bits = tl.load(bits, mask=row_ok, other=0)
         count = tl.load(count_ptr + kh * s_ck + tile)
+        top = tl.load(
+            blocks_ptr + kh * s_bk + tile * s_bt + count - 1, mask=count > 0, other=0
+        )  # the last block
     else:
         count = last // S + 1  # every visible block
-        sel = row_ok  # unused
+        top = count - 1
+        bits = row_ok  # unused
+    # The last block's sub-blocks past the tile's last query are skipped.
+    n_iter = tl.where(count > 0, (count - 1) * NSUB + tl.minimum((last - top * S) // BN + 1, NSUB), 0)
     m_i = tl.full([RP], float("-inf"), tl.float32)
     l_i = tl.zeros([RP], tl.float32)
     acc = tl.zeros([RP, DP], tl.float32)
-    # Compiled, the loop runs `count` times; Triton's interpreter needs a constant bound, so there
+    # Compiled, the loop runs `n_iter` times; Triton's interpreter needs a constant bound, so there
     # it runs MAX_ITERS times with the surplus iterations masked out.
-    if DYNAMIC:
-        for i in range(0, count):
-            m_i, l_i, acc = _attend_block(
-                i, count, q, sel, blocks_ptr + kh * s_bk + tile * s_bt, k_ptr, v_ptr, kh, s_kt, s_kh,
-                row_ok, pos, tk, qk_scale, m_i, l_i, acc, offs_d, D, S, SP, SPARSE, PREC,
-            )  # fmt: skip
-    else:
-        for i in range(0, MAX_ITERS):
-            m_i, l_i, acc = _attend_block(
-                i, count, q, sel, blocks_ptr + kh * s_bk + tile * s_bt, k_ptr, v_ptr, kh, s_kt, s_kh,
-                row_ok, pos, tk, qk_scale, m_i, l_i, acc, offs_d, D, S, SP, SPARSE, PREC,
-            )  # fmt: skip
+    for j in range(0, n_iter if DYNAMIC else MAX_ITERS):
+        m_i, l_i, acc = _attend_block(
+            j, n_iter, q, bits, blocks_ptr + kh * s_bk + tile * s_bt, k_ptr, v_ptr, kh, s_kt, s_kh,
+            row_ok, pos, tk, qk_scale, m_i, l_i, acc, offs_d, D, S, BN, NSUB, SPARSE, W, PREC,
+        )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padding rows saw no key
     tl.store(
         out_ptr + t[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
@@ -120,8 +132,9 @@ def _prefill_kernel(
 
 @triton.jit
 def _tile_blocks_kernel(
-    sel_ptr, blocks_ptr, count_ptr, t_len, n_blocks, s_sk, s_st, s_bk, s_bt, s_ck,
+    sel_ptr, blocks_ptr, count_ptr, bits_ptr, t_len, n_blocks, s_sk, s_st, s_bk, s_bt, s_ck, s_wk, s_wt,
     BQ: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, CH: tl.constexpr, N_CHUNKS: tl.constexpr,
+    W: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kh = tl.program_id(1)
@@ -130,20 +143,33 @@ def _tile_blocks_kernel(
     slot = rows % KP
     sel = tl.load(sel_ptr + kh * s_sk + t * s_st + slot, mask=(t < t_len) & (slot < TOPK), other=-1)
     count = 0
+    place = tl.zeros([BQ * KP], tl.int32)  # where each pair's block lands in the union list
     for c in range(N_CHUNKS):  # blocks c*CH .. c*CH+CH-1: which of them some query of the tile chose
         ids = c * CH + tl.arange(0, CH)
-        present = tl.max((sel[:, None] == ids[None, :]).to(tl.int32), axis=0)  # [CH]
+        hit = sel[:, None] == ids[None, :]  # [BQ * KP, CH]
+        present = tl.max(hit.to(tl.int32), axis=0)  # [CH]
         at = count + tl.cumsum(present, axis=0) - 1  # ascending positions in the union list
         tl.store(blocks_ptr + kh * s_bk + tile * s_bt + at, ids, mask=(present > 0) & (ids < n_blocks))
+        place += tl.sum(tl.where(hit, at[None, :], 0), axis=1)
         count += tl.sum(present, axis=0)
     tl.store(count_ptr + kh * s_ck + tile, count)
+    # Each query's chosen places as bits, 64 places a word (distinct places: the sum is an OR).
+    one = tl.full([BQ * KP], 1, tl.int64)
+    for w in range(W):
+        bit = tl.where((sel >= 0) & (place // 64 == w), one << (place % 64).to(tl.int64), 0)
+        word = tl.sum(tl.reshape(bit, (BQ, KP)), axis=1)  # [BQ]
+        tl.store(bits_ptr + kh * s_wk + tile * s_wt + tl.arange(0, BQ) * W + w, word)
 
 
-def tile_blocks(block_ids: torch.Tensor, bq: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The union of the selected blocks of each tile of `bq` queries, per group.
+def tile_blocks(
+    block_ids: torch.Tensor, bq: int, n_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The union of the selected blocks of each tile of `bq` queries, per group, and which of
+    them each query chose.
 
     block_ids [K, T, k] (-1 = unused), ids below `n_blocks` -> (blocks [K, NT, U] int32
-    ascending, padded with a large id; count [K, NT] int32). One Triton launch, no host
+    ascending, padded with a large id; count [K, NT] int32; bits [K, NT, bq, W] int64: bit u % 64
+    of word u // 64 is set when the query chose blocks[..., u]). One Triton launch, no host
     synchronisation; `tile_blocks_ref` is the reference.
     """
     kh, t, k = block_ids.shape
@@ -151,24 +177,33 @@ def tile_blocks(block_ids: torch.Tensor, bq: int, n_blocks: int) -> tuple[torch.
     sel = block_ids.to(torch.int32).contiguous()
     blocks = torch.full((kh, nt, bq * k), _NONE, device=sel.device, dtype=torch.int32)
     count = torch.empty(kh, nt, device=sel.device, dtype=torch.int32)
-    ch = 256
+    w = -(-bq * k // 64)
+    bits = torch.empty(kh, nt, bq, w, device=sel.device, dtype=torch.int64)
+    ch = min(256, pad(n_blocks))
     _tile_blocks_kernel[(nt, kh)](
-        sel, blocks, count, t, n_blocks, sel.stride(0), sel.stride(1), blocks.stride(0), blocks.stride(1),
-        count.stride(0), BQ=bq, TOPK=k, KP=pad(k), CH=ch, N_CHUNKS=triton.cdiv(n_blocks, ch),
+        sel, blocks, count, bits, t, n_blocks, sel.stride(0), sel.stride(1), blocks.stride(0), blocks.stride(1),
+        count.stride(0), bits.stride(0), bits.stride(1), BQ=bq, TOPK=k, KP=pad(k), CH=ch,
+        N_CHUNKS=triton.cdiv(n_blocks, ch), W=w,
     )  # fmt: skip
-    return blocks, count
+    return blocks, count, bits
 
 
-def tile_blocks_ref(block_ids: torch.Tensor, bq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`tile_blocks` with PyTorch sorts (the reference)."""
+def tile_blocks_ref(block_ids: torch.Tensor, bq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`tile_blocks` with PyTorch sorts and loops (the reference)."""
     kh, t, k = block_ids.shape
     nt = -(-t // bq)
-    ids = torch.nn.functional.pad(block_ids, (0, 0, 0, nt * bq - t), value=-1).reshape(kh, nt, bq * k)
-    ids = torch.where(ids < 0, _NONE, ids).sort(dim=-1).values
+    padded = torch.nn.functional.pad(block_ids, (0, 0, 0, nt * bq - t), value=-1).reshape(kh, nt, bq, k)
+    ids = torch.where(padded < 0, _NONE, padded).reshape(kh, nt, bq * k).sort(dim=-1).values
     repeat = torch.zeros_like(ids, dtype=torch.bool)
     repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
     ids = torch.where(repeat, _NONE, ids).sort(dim=-1).values
-    return ids.to(torch.int32), (ids < _NONE).sum(-1).to(torch.int32)
+    w = -(-bq * k // 64)
+    bits = torch.zeros(kh, nt, bq, w, dtype=torch.int64)
+    for g, tile, query in itertools.product(range(kh), range(nt), range(bq)):
+        for u, blk in enumerate(ids[g, tile].tolist()):
+            if blk in padded[g, tile, query].tolist():
+                bits[g, tile, query, u // 64] |= torch.tensor(1, dtype=torch.int64) << (u % 64)
+    return ids.to(torch.int32), (ids < _NONE).sum(-1).to(torch.int32), bits.to(block_ids.device)
 
 
 def msa_prefill_attention(
@@ -180,16 +215,16 @@ def msa_prefill_attention(
     block_ids: torch.Tensor | None = None,
     block_size: int = 128,
     first_pos: int | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as `msa_attention_ref` for consecutive query positions: [T, H, D] -> [T, H, D].
 
     `first_pos` (q_pos[0]) may be passed to spare a device read. `block_size` tiles the keys when
     there is no selection (it need not match the MSA block then). `config` is (query rows per
-    program, warps, pipeline stages); `benchmarks/prefill_configs.py` picks the default (fp32
-    tiles take one stage fewer to fit in shared memory).
+    program, warps, pipeline stages, keys per step); `benchmarks/prefill_configs.py` picks the
+    default (fp32 tiles take one stage fewer to fit in shared memory).
     """
-    rows, warps, stages = config or ((ROWS, 4, 2) if q.dtype == torch.float32 else (ROWS, 4, 3))
+    rows, warps, stages, keys = config or (CONFIG_FP32 if q.dtype == torch.float32 else CONFIG)
     t_len, n_heads, d = q.shape
     tk, n_kv = k.shape[0], k.shape[1]
     g = n_heads // n_kv
@@ -200,23 +235,23 @@ def msa_prefill_attention(
     out = torch.empty_like(q)
     sparse = block_ids is not None
     if sparse:
-        sel = block_ids.to(torch.int32).contiguous()
-        blocks, count = tile_blocks(sel, bq, triton.cdiv(tk, block_size))
-        topk, max_iters = sel.shape[-1], blocks.shape[-1]
+        blocks, count, bits = tile_blocks(block_ids, bq, triton.cdiv(tk, block_size))
+        max_blocks = blocks.shape[-1]
     else:
-        sel = blocks = count = q  # unused pointers
-        topk, max_iters = 1, triton.cdiv(first + t_len, block_size)
+        bits = blocks = count = q  # unused pointers
+        max_blocks = triton.cdiv(first + t_len, block_size)
+    bn = min(keys, max(16, triton.next_power_of_2(block_size)))
     strides = (
-        (sel.stride(0), sel.stride(1), blocks.stride(0), blocks.stride(1), count.stride(0))
+        (bits.stride(0), bits.stride(1), blocks.stride(0), blocks.stride(1), count.stride(0))
         if sparse
         else (0, 0, 0, 0, 0)
     )
     _prefill_kernel[(nt, n_kv)](
-        q, k, v, sel, blocks, count, out, first, t_len, tk, scale * 1.4426950408889634,
+        q, k, v, bits, blocks, count, out, first, t_len, tk, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), *strides, out.stride(0), out.stride(1),
         G=g, BQ=bq, RP=max(16, triton.next_power_of_2(bq * g)), D=d, DP=max(16, triton.next_power_of_2(d)),
-        S=block_size, SP=max(16, triton.next_power_of_2(block_size)), TOPK=topk,
-        KP=max(2, triton.next_power_of_2(topk)), SPARSE=sparse, MAX_ITERS=max_iters,
+        S=block_size, BN=bn, W=bits.shape[-1] if sparse else 1, SPARSE=sparse,
+        MAX_ITERS=max_blocks * triton.cdiv(block_size, bn),
         DYNAMIC=not interpreted(),
         PREC=precision(q), num_warps=warps, num_stages=stages,
     )  # fmt: skip
