@@ -1,8 +1,8 @@
 """Program shape of the block-sparse prefill attention kernel on the release's dimensions (GPU).
 
-Times `msa_prefill_attention` under each (query rows per program, warps, stages, keys per step) for the
-selections `m3lm bench --attention` uses, and prints each case's best. The winner becomes the
-kernel's default. Run: `PYTHONPATH=. python3 benchmarks/prefill_configs.py [LENGTH:KIND ...]`.
+Times `msa_prefill_attention` under each (query rows per program, warps, stages, keys per step)
+for the selections `m3lm bench --attention` uses, and prints each case's best. The winner
+becomes the kernel's default. Run: `PYTHONPATH=. python3 benchmarks/prefill_configs.py [LENGTH:KIND ...]`.
 """
 
 from __future__ import annotations

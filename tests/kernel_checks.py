@@ -69,8 +69,8 @@ def decode_kernels():
 
 
 def prefill_kernel():
-    # The last two take blocks 16 keys a step: two steps per block, the second one partly past
-    # the block (24 keys) or past the tile's last query.
+    # The fourth and fifth cases take 16 keys a step: two steps per block, the second one partly
+    # past the block (24 keys) or past the tile's last query.
     for t_len, tk, h, k, d, s, topk, keys in [
         (33, 61, 8, 2, 16, 4, 3, 64),
         (64, 64, 16, 2, 16, 8, 4, 64),
