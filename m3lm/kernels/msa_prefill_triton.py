@@ -246,12 +246,15 @@ def msa_prefill_attention(
         if sparse
         else (0, 0, 0, 0, 0)
     )
+    # Only the interpreter runs to MAX_ITERS; compiled, a length-dependent constant would build
+    # one kernel per prompt length, so it is fixed there.
+    max_iters = max_blocks * triton.cdiv(block_size, bn) if interpreted() else 1
     _prefill_kernel[(nt, n_kv)](
         q, k, v, bits, blocks, count, out, first, t_len, tk, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), *strides, out.stride(0), out.stride(1),
         G=g, BQ=bq, RP=max(16, triton.next_power_of_2(bq * g)), D=d, DP=max(16, triton.next_power_of_2(d)),
         S=block_size, BN=bn, W=bits.shape[-1] if sparse else 1, SPARSE=sparse,
-        MAX_ITERS=max_blocks * triton.cdiv(block_size, bn),
+        MAX_ITERS=max_iters,
         DYNAMIC=not interpreted(),
         PREC=precision(q), num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -319,7 +322,8 @@ def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, first_pos: int, block
     _index_scores_kernel[(triton.cdiv(t_len, bt), n_kv)](
         iq, ik, out, first_pos, t_len, tk, iq.stride(0), iq.stride(1), ik.stride(0), out.stride(0), out.stride(1),
         DI=di, DIP=max(16, triton.next_power_of_2(di)), S=block_size, SP=max(16, triton.next_power_of_2(block_size)),
-        BT=bt, MAX_BLOCKS=triton.cdiv(first_pos + t_len, block_size), DYNAMIC=not interpreted(),
+        BT=bt, MAX_BLOCKS=triton.cdiv(first_pos + t_len, block_size) if interpreted() else 1,  # as MAX_ITERS
+        DYNAMIC=not interpreted(),
         PREC=precision(iq), num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
