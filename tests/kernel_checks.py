@@ -9,6 +9,8 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
+import triton
+import triton.language as tl
 
 from m3lm.kernels import fused, moe_triton, msa_triton
 from m3lm.kernels.fp8 import dequant_mxfp8, dequant_rows_fp8, quantize_mxfp8, quantize_rows_fp8
@@ -155,6 +157,45 @@ def moe_kernel():
         h, w2, t * a, a, aligned, True, weights.flatten(), torch.float32, 32, cfg, True
     )
     close(y.view(t, a, c).sum(1), moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0))
+
+
+@triton.jit
+def _launch_order_kernel(expert_ptr, ends_ptr, used_ptr, out_ptr, N: tl.constexpr, BN: tl.constexpr,
+                         BM: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    row, col = moe_triton.grouped_pid(
+        pid, tl.num_programs(0), expert_ptr, ends_ptr, used_ptr, N, BN, BM, ALIGN_M, GROUP_M
+    )
+    tl.store(out_ptr + 2 * pid, row)
+    tl.store(out_ptr + 2 * pid + 1, col)
+
+
+def launch_order():
+    """The MoE kernels' program order: each expert's row blocks in groups of at most GROUP_M sweep
+    the column blocks, a group never spanning two experts; unused blocks after, in plain order."""
+    for t, e, a, align_m, block_m, group in [
+        (40, 6, 2, 16, 16, 3),
+        (64, 8, 4, 32, 16, 2),
+        (3, 8, 2, 16, 16, 8),
+    ]:
+        ids = torch.randint(0, e, (t, a))
+        ids[: t // 2, 0] = 1  # one large expert, several groups of blocks
+        aligned = moe_triton.align(ids, e, align_m)
+        n_rows = moe_triton.row_blocks(aligned, t * a, block_m)
+        n, bn = 40, 16  # three column blocks
+        n_cols = 3
+        got = torch.empty(n_rows * n_cols, 2, dtype=torch.int32)
+        _launch_order_kernel[(n_rows * n_cols,)](
+            aligned.block_expert, aligned.ends, aligned.used, got, N=n, BN=bn, BM=block_m, ALIGN_M=align_m, GROUP_M=group
+        )  # fmt: skip
+        want, start = [], 0
+        for end in (aligned.ends // block_m).tolist():
+            for first in range(start, end, group):
+                rows = range(first, min(first + group, end))
+                want += [(r, c) for c in range(n_cols) for r in rows]
+            start = end
+        want += [(r, c) for r in range(start, n_rows) for c in range(n_cols)]
+        assert got.tolist() == [list(p) for p in want], (got.tolist(), want)
 
 
 def routing_kernels():
@@ -338,6 +379,7 @@ if __name__ == "__main__":
         prefill_kernel,
         prefill_selection,
         moe_kernel,
+        launch_order,
         routing_kernels,
         fp8_kernels,
         elementwise_kernels,

@@ -25,6 +25,7 @@ def test_triton_kernels_match_references_in_the_interpreter():
         "prefill_kernel",
         "prefill_selection",
         "moe_kernel",
+        "launch_order",
         "routing_kernels",
         "fp8_kernels",
         "elementwise_kernels",

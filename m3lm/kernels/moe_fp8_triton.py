@@ -248,7 +248,7 @@ def _launch_shape(aligned, w, m: int, block_m: int, config: tuple):
 def gate_up_fp8(x, w1, s1, w3, s3, m, top_k, aligned, alpha, limit, block_m, config) -> torch.Tensor:
     """SwiGLU activations [M, I] of every token-expert pair (x.dtype); w1/w3 [E, I, C] + scales."""
     assert w1.shape == w3.shape and w1.stride() == w3.stride() and s1.stride() == s3.stride()
-    sorted_ids, block_expert, used = aligned
+    sorted_ids, block_expert, used, _ = aligned
     h = torch.empty(m, w1.shape[1], device=x.device, dtype=x.dtype)
     grid, meta = _launch_shape(aligned, w1, m, block_m, config)
     _moe_fp8_gate_up_kernel[grid](
@@ -263,7 +263,7 @@ def grouped_gemm_fp8(
     a, w, ws, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, block_m=16, config=None
 ) -> torch.Tensor:
     """c[pair] = a[row of pair] @ dequant(w, ws)[expert of pair].T (times scale[pair]) -> [M, N]."""
-    sorted_ids, block_expert, used = aligned
+    sorted_ids, block_expert, used, _ = aligned
     c = torch.empty(m, w.shape[1], device=a.device, dtype=out_dtype or a.dtype)
     grid, meta = _launch_shape(aligned, w, m, block_m, config or tiles(m, a.dtype)[1][1])
     _moe_fp8_gemm_kernel[grid](

@@ -11,6 +11,8 @@ EM = padded pair slots.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -18,13 +20,18 @@ import triton.language as tl
 from m3lm.kernels.host import interpreted, precision
 
 
-def align_ref(
-    ids: torch.Tensor, n_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [T, A] -> (sorted pair ids [EM] with M as padding, expert of each block [EM/BLOCK_M], EM used [1]).
+class Aligned(NamedTuple):
+    """Token-expert pairs grouped by expert, each group padded to a multiple of BLOCK_M slots."""
 
-    Pairs are grouped by expert in pair order; each expert's group is padded to a multiple of
-    BLOCK_M. EM = M + E * (BLOCK_M - 1) rounded up to BLOCK_M, a static bound.
+    sorted_ids: torch.Tensor  # [EM] int32: the pair in each slot, M for padding
+    block_expert: torch.Tensor  # [EM / BLOCK_M] int32: the expert of each block of slots
+    used: torch.Tensor  # [1] int32: slots in use (the sum of the padded groups)
+    ends: torch.Tensor  # [E] int32: the slot after each expert's group (cumulative padded sizes)
+
+
+def align_ref(ids: torch.Tensor, n_experts: int, block_m: int) -> Aligned:
+    """ids [T, A] -> `Aligned`: pairs grouped by expert in pair order, each expert's group padded
+    to a multiple of BLOCK_M. EM = M + E * (BLOCK_M - 1) rounded up to BLOCK_M, a static bound.
     """
     flat = ids.flatten()
     m = flat.numel()
@@ -41,7 +48,7 @@ def align_ref(
     sorted_ids[(ends - padded)[experts] + rank] = order.to(torch.int32)
     starts = torch.arange(0, em, block_m, device=ids.device)
     block_expert = torch.searchsorted(ends, starts, right=True).clamp(max=n_experts - 1).to(torch.int32)
-    return sorted_ids, block_expert, ends[-1:].to(torch.int32)
+    return Aligned(sorted_ids, block_expert, ends[-1:].to(torch.int32), ends.to(torch.int32))
 
 
 def _slots(m: int, n_experts: int, block_m: int) -> int:
@@ -50,7 +57,7 @@ def _slots(m: int, n_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _align_kernel(
-    ids_ptr, sorted_ptr, expert_ptr, used_ptr, M, EM,
+    ids_ptr, sorted_ptr, expert_ptr, used_ptr, ends_ptr, M, EM,
     E: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr, EMP: tl.constexpr, NBP: tl.constexpr, BM: tl.constexpr,
 ):  # fmt: skip
     """`align_ref` in one program, for a few pairs (decode): counts, padded offsets, ranks, blocks."""
@@ -73,12 +80,13 @@ def _align_kernel(
     owner = tl.sum((ends[None, :] <= (blocks * BM)[:, None]).to(tl.int32), axis=1)
     tl.store(expert_ptr + blocks, tl.minimum(owner, E - 1), mask=blocks * BM < EM)
     tl.store(used_ptr, tl.max(ends, axis=0))
+    tl.store(ends_ptr + experts, ends, mask=experts < E)
 
 
 ALIGN_KERNEL_MAX_PAIRS = 256  # one program holds [M, M] comparisons; beyond this the PyTorch path
 
 
-def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align(ids: torch.Tensor, n_experts: int, block_m: int) -> Aligned:
     """`align_ref`, in one launch when there are few pairs (a decode step)."""
     m = ids.numel()
     if m > ALIGN_KERNEL_MAX_PAIRS or (not ids.is_cuda and not interpreted()):
@@ -87,12 +95,13 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor
     sorted_ids = torch.empty(em, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(em // block_m, dtype=torch.int32, device=ids.device)
     used = torch.empty(1, dtype=torch.int32, device=ids.device)
+    ends = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
     _align_kernel[(1,)](
-        ids.flatten().contiguous(), sorted_ids, block_expert, used, m, em,
+        ids.flatten().contiguous(), sorted_ids, block_expert, used, ends, m, em,
         E=n_experts, EP=triton.next_power_of_2(n_experts), MP=max(16, triton.next_power_of_2(m)),
         EMP=triton.next_power_of_2(em), NBP=triton.next_power_of_2(em // block_m), BM=block_m,
     )  # fmt: skip
-    return sorted_ids, block_expert, used
+    return Aligned(sorted_ids, block_expert, used, ends)
 
 
 @triton.jit
@@ -163,16 +172,33 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def grouped_pid(pid, n_programs, N: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row block, column block) of program `pid` in a grouped order: GROUP_M row blocks sweep
-    every column block before the next group starts, so their rows (gathered tokens) and the
-    weight tiles they share are read from HBM about once and then hit in L2."""
+def grouped_pid(
+    pid, n_programs, expert_ptr, ends_ptr, used_ptr,
+    N: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """(row block, column block) of program `pid` in a grouped order: an expert's row blocks, in
+    groups of at most GROUP_M, sweep every column block before the next group starts, so their
+    rows (gathered tokens) and the weight tiles they share are read from HBM about once and then
+    hit in L2. A group never spans two experts, so an expert's weights are read once per group
+    of its own blocks, not again at a group boundary that falls inside it. Programs past the used
+    slots (they exit) keep the plain order.
+
+    Expert e's blocks are start..end-1 (`Aligned.ends`), its programs start*n_cols..end*n_cols-1,
+    so the block pid // n_cols names the program's expert."""
     n_cols = tl.cdiv(N, BN)
     n_rows = n_programs // n_cols
+    block = pid // n_cols
+    live = block < tl.load(used_ptr) // BM
+    e = tl.load(expert_ptr + tl.minimum(block, n_rows - 1) * BM // ALIGN_M)
+    end = tl.load(ends_ptr + e) // BM
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0) // BM
+    local = pid - start * n_cols
     per_group = GROUP_M * n_cols
-    first = (pid // per_group) * GROUP_M
-    size = tl.minimum(n_rows - first, GROUP_M)
-    return first + (pid % per_group) % size, (pid % per_group) // size
+    first = start + (local // per_group) * GROUP_M
+    size = tl.maximum(tl.minimum(end - first, GROUP_M), 1)
+    row = first + (local % per_group) % size
+    col = (local % per_group) // size
+    return tl.where(live, row, block), tl.where(live, col, pid % n_cols)
 
 
 @triton.jit
@@ -192,11 +218,13 @@ def _block(sorted_ptr, used_ptr, pid_m, M, BM: tl.constexpr, HALVES: tl.constexp
 
 @triton.jit
 def _program(
-    sorted_ptr, expert_ptr, used_ptr, M, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    sorted_ptr, expert_ptr, used_ptr, ends_ptr, M, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr, HALVES: tl.constexpr,
 ):  # fmt: skip
     """This program's (row block, column block, rows to compute (`_block`), expert)."""
-    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.num_programs(0), N, BN, GROUP_M)
+    pid_m, pid_n = grouped_pid(
+        tl.program_id(0), tl.num_programs(0), expert_ptr, ends_ptr, used_ptr, N, BN, BM, ALIGN_M, GROUP_M
+    )
     rows = _block(sorted_ptr, used_ptr, pid_m, M, BM, HALVES)
     return pid_m, pid_n, rows, tl.load(expert_ptr + pid_m * BM // ALIGN_M).to(tl.int64)
 
@@ -235,14 +263,16 @@ def _gemm_rows(
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, scale_ptr,
+    a_ptr, w_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, ends_ptr, scale_ptr,
     M, TOP_K,
     s_am, s_we, s_wn, s_cm,
     N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
     HALVES: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n, rows, e = _program(sorted_ptr, expert_ptr, used_ptr, M, N, BM, BN, ALIGN_M, GROUP_M, HALVES)
+    pid_m, pid_n, rows, e = _program(
+        sorted_ptr, expert_ptr, used_ptr, ends_ptr, M, N, BM, BN, ALIGN_M, GROUP_M, HALVES
+    )
     if rows == 0:
         return
     args = (a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, pid_m * BM, pid_n, M, TOP_K, s_am, s_we, s_wn, s_cm)  # fmt: skip
@@ -289,7 +319,7 @@ def _gate_up_rows(
 
 @triton.jit
 def _moe_gate_up_kernel(
-    a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, used_ptr,
+    a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, used_ptr, ends_ptr,
     M, TOP_K, alpha, limit,
     s_am, s_we, s_wn, s_hm,
     N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr,
@@ -297,7 +327,9 @@ def _moe_gate_up_kernel(
     HALVES: tl.constexpr,
 ):  # fmt: skip
     """h[pair] = swiglu(a[token] @ w1[e].T, a[token] @ w3[e].T): both products from one read of a."""
-    pid_m, pid_n, rows, e = _program(sorted_ptr, expert_ptr, used_ptr, M, N, BM, BN, ALIGN_M, GROUP_M, HALVES)
+    pid_m, pid_n, rows, e = _program(
+        sorted_ptr, expert_ptr, used_ptr, ends_ptr, M, N, BM, BN, ALIGN_M, GROUP_M, HALVES
+    )
     if rows == 0:
         return
     args = (a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, pid_m * BM, pid_n, M, TOP_K, alpha, limit)
@@ -310,10 +342,12 @@ def _moe_gate_up_kernel(
 def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tuple]]:
     """((BLOCK_M, tile) of the gate/up kernel, (BLOCK_M, tile) of the down GEMM) for M pairs.
 
-    A tile is (BN, BK, warps, stages, GROUP_M: row blocks per group of the launch order). From
-    `benchmarks/moe_configs.py` on the H200 at the release's dimensions: wide K for a few rows
-    (decode reads weights), large tiles for many (prefill multiplies). fp32 (tests, CPU-sized
-    models) takes small tiles that fit in shared memory.
+    A tile is (BN, BK, warps, stages, GROUP_M: at most this many row blocks of one expert per
+    group of the launch order, `grouped_pid`). From `benchmarks/moe_configs.py` on the H200 at
+    the release's dimensions: wide K for a few rows (decode reads weights), large tiles for many
+    (prefill multiplies; GROUP_M 16 keeps an expert of up to 2048 pairs in one group, so its
+    weights are read once). fp32 (tests, CPU-sized models) takes small tiles that fit in shared
+    memory.
     """
     if dtype == torch.float32:
         return (16, (64, 32, 4, 2, 4)), (16, (64, 32, 4, 2, 4))
@@ -321,23 +355,23 @@ def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tup
         return (16, (128, 128, 4, 3, 8)), (16, (64, 128, 4, 3, 8))
     if m <= 1024:
         return (16, (64, 256, 4, 3, 8)), (16, (128, 128, 4, 3, 8))
-    return (128, (128, 64, 8, 4, 8)), (128, (256, 64, 8, 4, 8))
+    return (128, (128, 64, 8, 4, 16)), (128, (256, 64, 8, 4, 16))
 
 
-def _align_m(aligned: tuple, block_m: int) -> int:
+def _align_m(aligned: Aligned, block_m: int) -> int:
     """The BLOCK_M `aligned` was padded to; a kernel may take it in smaller blocks of `block_m` rows."""
     align_m = aligned[0].numel() // aligned[1].numel()
     assert align_m % block_m == 0, (align_m, block_m)
     return align_m
 
 
-def _halves(aligned: tuple, block_m: int) -> bool:
+def _halves(aligned: Aligned, block_m: int) -> bool:
     """Short last blocks in half-height tiles (`_block`): when blocks are whole aligned groups of
     at least 128 rows (prefill), so that a half is still a full tensor-core tile."""
     return block_m >= 128 and block_m == _align_m(aligned, block_m)
 
 
-def row_blocks(aligned: tuple, m: int, block_m: int) -> int:
+def row_blocks(aligned: Aligned, m: int, block_m: int) -> int:
     """Row blocks to launch: each aligned group holds at least one of the M pairs, so only the
     first M groups can be used (a decode step launches a few rows of programs, not one per expert)."""
     align_m = _align_m(aligned, block_m)
@@ -347,12 +381,11 @@ def row_blocks(aligned: tuple, m: int, block_m: int) -> int:
 def gate_up(x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config, halves=None) -> torch.Tensor:
     """SwiGLU activations [M, I] of every token-expert pair (x.dtype). halves: `_block`'s
     half-height tiles (default: `_halves`)."""
-    sorted_ids, block_expert, used = aligned
     n, kdim = w1.shape[1], w1.shape[2]
     h = torch.empty(m, n, device=x.device, dtype=x.dtype)
     bn, bk, warps, stages, group = config
     _moe_gate_up_kernel[(row_blocks(aligned, m, block_m) * triton.cdiv(n, bn),)](
-        x, w1, w3, h, sorted_ids, block_expert, used, m, top_k, alpha, limit,
+        x, w1, w3, h, *aligned, m, top_k, alpha, limit,
         x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
         N=n, KDIM=kdim, PREC=precision(x), BM=block_m, BN=bn, BK=bk, ALIGN_M=_align_m(aligned, block_m),
         GROUP_M=group, HALVES=_halves(aligned, block_m) if halves is None else halves, num_warps=warps,
@@ -375,13 +408,12 @@ def grouped_gemm(
     halves=None,
 ):
     """c[pair] = a[row of pair] @ w[expert of pair].T (times scale[pair]) -> [M, N]."""
-    sorted_ids, block_expert, used = aligned
     n, kdim = w.shape[1], w.shape[2]
     c = torch.empty(m, n, device=a.device, dtype=out_dtype or a.dtype)
     bn, bk, warps, stages, group = config
     grid = (row_blocks(aligned, m, block_m) * triton.cdiv(n, bn),)
     _moe_gemm_kernel[grid](
-        a, w, c, sorted_ids, block_expert, used, scale if scale is not None else c,
+        a, w, c, *aligned, scale if scale is not None else c,
         m, top_k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         N=n, KDIM=kdim, PAIR_ROWS=pair_rows, PREC=precision(a), SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
         ALIGN_M=_align_m(aligned, block_m), GROUP_M=group,
