@@ -1,0 +1,106 @@
+"""The 8k prefill back to back against the same step after a pause, with the SM clock and power
+(GPU): how much of a step's time the power limit sets.
+
+    PYTHONPATH=. python3 benchmarks/prefill_power.py [--layers 4] [--length 8192] [--rounds 3]
+    ncu ... --profile-from-start off python3 benchmarks/prefill_power.py --one-step
+
+`m3lm bench` times steps back to back (each case after half a second of the same steps), as a
+server busy with prefills would run them. Each round here times ten steps back to back, then ten
+steps each after a pause of 0.1 s and of 0.5 s with the GPU idle, and prints the median, the
+median SM clock and the highest power nvidia-smi saw in each phase, and the share of its samples
+with the software power cap as a clock event. `--one-step` runs one step between
+cudaProfilerStart / Stop after warm-up (for Nsight Compute) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+
+import torch
+
+from m3lm.bench import build_slice
+from m3lm.cache.kv_cache import KVCache, PagedKV
+from m3lm.core import ForwardBatch
+
+SMI = [
+    "nvidia-smi",
+    "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.sw_power_cap",
+    "--format=csv,noheader,nounits",
+    "-lms",
+    "50",
+]
+
+
+def prefill_step(layers: int, length: int):
+    model = build_slice(layers)
+    a = model.args
+    pages = -(-length // a.index_block_size)
+    cache = KVCache(a, pages, "cuda", torch.bfloat16)
+    ids = torch.randint(0, a.vocab_size, (length,), device="cuda")
+    pos = torch.arange(length, device="cuda")
+    last = torch.tensor([length - 1], device="cuda")
+
+    def step():
+        with torch.inference_mode():
+            batch = ForwardBatch(pos, [length], kv=PagedKV(cache, [list(range(pages))], [0], [length]))
+            model.forward_batch(ids, batch, last)
+
+    return step
+
+
+def phase(step, pause: float) -> str:
+    """Ten steps, each after `pause` seconds idle (0: back to back), under nvidia-smi."""
+    smi = subprocess.Popen(SMI, stdout=subprocess.PIPE, text=True)
+    times = []
+    for _ in range(10):
+        if pause:
+            torch.cuda.synchronize()
+            time.sleep(pause)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    smi.terminate()
+    samples = [line.split(",") for line in smi.communicate()[0].splitlines() if line.count(",") == 2]
+    busy = [s for s in samples if float(s[1]) > 250]  # samples while a step ran, not the pauses
+    clock = statistics.median(float(s[0]) for s in busy) if busy else float("nan")
+    watts = max((float(s[1]) for s in busy), default=float("nan"))
+    capped = sum(s[2].strip() == "Active" for s in busy) / max(1, len(busy))
+    return (
+        f"median {statistics.median(times):.2f} ms (min {min(times):.2f}, max {max(times):.2f}); "
+        f"SM clock {clock:.0f} MHz, power up to {watts:.0f} W, power cap in {capped:.0%} of {len(busy)} samples"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--length", type=int, default=8192)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--one-step", action="store_true")
+    args = p.parse_args()
+    step = prefill_step(args.layers, args.length)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    if args.one_step:
+        torch.cuda.profiler.start()
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return
+    t0 = time.time()
+    while time.time() - t0 < 3:  # the clock that steps back to back settle at
+        step()
+    for r in range(args.rounds):
+        for pause in (0.0, 0.5, 0.1):
+            print(f"round {r}, pause {pause:.1f} s: {phase(step, pause)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
