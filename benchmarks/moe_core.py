@@ -74,7 +74,7 @@ def fused(name, x, ids, w1, w3, w2, align_m=None, tiles=None, ref=None) -> torch
     check = "" if ref is None else f", outputs equal: {torch.equal(out, ref)}"
     print(
         f"{name}: tokens per expert {counts.mean():.0f} +- {counts.std():.0f} "
-        f"({counts.min():.0f}..{counts.max():.0f}), align {aligned[0].numel() // aligned[1].numel()}, "
+        f"({counts.min():.0f}..{counts.max():.0f}), align {aligned.sorted_ids.numel() // aligned.block_expert.numel()}, "
         f"gate_up {up_m} {up_cfg}, down {down_m} {down_cfg}: gate_up {t_up:.3f} ms "
         f"({flops[0] / t_up / 1e9:.0f} TFLOP/s), down {t_down:.3f} ms ({flops[1] / t_down / 1e9:.0f}), "
         f"sum {t_up + t_down:.3f} ms{check}",

@@ -360,7 +360,7 @@ def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tup
 
 def _align_m(aligned: Aligned, block_m: int) -> int:
     """The BLOCK_M `aligned` was padded to; a kernel may take it in smaller blocks of `block_m` rows."""
-    align_m = aligned[0].numel() // aligned[1].numel()
+    align_m = aligned.sorted_ids.numel() // aligned.block_expert.numel()
     assert align_m % block_m == 0, (align_m, block_m)
     return align_m
 
@@ -375,7 +375,7 @@ def row_blocks(aligned: Aligned, m: int, block_m: int) -> int:
     """Row blocks to launch: each aligned group holds at least one of the M pairs, so only the
     first M groups can be used (a decode step launches a few rows of programs, not one per expert)."""
     align_m = _align_m(aligned, block_m)
-    return min(aligned[0].numel(), m * align_m) // block_m
+    return min(aligned.sorted_ids.numel(), m * align_m) // block_m
 
 
 def gate_up(x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config, halves=None) -> torch.Tensor:
