@@ -21,9 +21,7 @@ import time
 
 import torch
 
-from m3lm.bench import build_slice
-from m3lm.cache.kv_cache import KVCache, PagedKV
-from m3lm.core import ForwardBatch
+from m3lm.bench import build_slice, prefill_step
 
 SMI = [
     "nvidia-smi",
@@ -32,23 +30,6 @@ SMI = [
     "-lms",
     "50",
 ]
-
-
-def prefill_step(layers: int, length: int):
-    model = build_slice(layers)
-    a = model.args
-    pages = -(-length // a.index_block_size)
-    cache = KVCache(a, pages, "cuda", torch.bfloat16)
-    ids = torch.randint(0, a.vocab_size, (length,), device="cuda")
-    pos = torch.arange(length, device="cuda")
-    last = torch.tensor([length - 1], device="cuda")
-
-    def step():
-        with torch.inference_mode():
-            batch = ForwardBatch(pos, [length], kv=PagedKV(cache, [list(range(pages))], [0], [length]))
-            model.forward_batch(ids, batch, last)
-
-    return step
 
 
 def phase(step, pause: float) -> str:
@@ -84,7 +65,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--one-step", action="store_true")
     args = p.parse_args()
-    step = prefill_step(args.layers, args.length)
+    step = prefill_step(build_slice(args.layers), args.length)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

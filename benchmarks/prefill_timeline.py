@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import subprocess
 import tempfile
 import time
@@ -25,9 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import m3lm.kernels.moe_triton as mt
-from m3lm.bench import build_slice
-from m3lm.cache.kv_cache import KVCache, PagedKV
-from m3lm.core import ForwardBatch
+from m3lm.bench import build_slice, prefill_step
 
 
 def padding(counts: torch.Tensor) -> str:
@@ -49,16 +46,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     args = p.parse_args()
     model = build_slice(args.layers)
-    pages = math.ceil(args.length / model.args.index_block_size)
-    cache = KVCache(model.args, pages, "cuda", torch.bfloat16)
-    ids = torch.randint(0, model.args.vocab_size, (args.length,), device="cuda")
-    pos = torch.arange(args.length, device="cuda")
-    last = torch.tensor([args.length - 1], device="cuda")
-
-    @torch.inference_mode()
-    def step():
-        batch = ForwardBatch(pos, [args.length], kv=PagedKV(cache, [list(range(pages))], [0], [args.length]))
-        model.forward_batch(ids, batch, last)
+    step = prefill_step(model, args.length)
 
     counts, align = [], mt.align
 

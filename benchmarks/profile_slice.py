@@ -14,9 +14,9 @@ import math
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from m3lm.bench import _fill, build_slice
-from m3lm.cache.kv_cache import KVCache, PagedKV
-from m3lm.core import DecodeBatch, ForwardBatch
+from m3lm.bench import _fill, build_slice, prefill_step
+from m3lm.cache.kv_cache import KVCache
+from m3lm.core import DecodeBatch
 
 
 def table(prof, rows: int) -> None:
@@ -31,16 +31,7 @@ def table(prof, rows: int) -> None:
 
 
 def prefill(model, length: int, rows: int) -> None:
-    pages = math.ceil(length / model.args.index_block_size)
-    cache = KVCache(model.args, pages, "cuda", torch.bfloat16)
-    ids = torch.randint(0, model.args.vocab_size, (length,), device="cuda")
-    pos = torch.arange(length, device="cuda")
-    last = torch.tensor([length - 1], device="cuda")
-
-    def step():
-        batch = ForwardBatch(pos, [length], kv=PagedKV(cache, [list(range(pages))], [0], [length]))
-        model.forward_batch(ids, batch, last)
-
+    step = prefill_step(model, length)
     with torch.inference_mode():
         step()
         torch.cuda.synchronize()

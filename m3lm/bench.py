@@ -246,9 +246,10 @@ def bench_decode(model: MiniMaxM3, batch: int, ctx: int, iters: int) -> Row:
     return row
 
 
-def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
-    s = model.args.index_block_size
-    pages = math.ceil(length / s)
+def prefill_step(model: MiniMaxM3, length: int):
+    """A function that prefills `length` random tokens into a fresh paged cache (logits of the
+    last position only), as one step of the bench; the same cache is overwritten each call."""
+    pages = math.ceil(length / model.args.index_block_size)
     cache = KVCache(model.args, pages, "cuda", torch.bfloat16)
     ids = torch.randint(0, model.args.vocab_size, (length,), device="cuda")
     pos = torch.arange(length, device="cuda")
@@ -259,7 +260,11 @@ def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
             batch = ForwardBatch(pos, [length], kv=PagedKV(cache, [list(range(pages))], [0], [length]))
             model.forward_batch(ids, batch, last)
 
-    ms = _time(step, iters)
+    return step
+
+
+def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
+    ms = _time(prefill_step(model, length), iters)
     a = model.args
 
     def keys(window: int) -> float:  # sum over queries t of the keys attended, min(t + 1, window)
