@@ -2,24 +2,30 @@
 (GPU): how much of a step's time the power limit sets.
 
     PYTHONPATH=. python3 benchmarks/prefill_power.py [--layers 4] [--length 8192] [--rounds 3]
+    PYTHONPATH=. python3 benchmarks/prefill_power.py --kernels
     ncu ... --profile-from-start off python3 benchmarks/prefill_power.py --one-step
 
 `m3lm bench` times steps back to back (each case after half a second of the same steps), as a
 server busy with prefills would run them. Each round here times ten steps back to back, then ten
 steps each after a pause of 0.1 s and of 0.5 s with the GPU idle, and prints the median, the
 median SM clock and the highest power nvidia-smi saw in each phase, and the share of its samples
-with the software power cap as a clock event. `--one-step` runs one step between
-cudaProfilerStart / Stop after warm-up (for Nsight Compute) and exits.
+with the software power cap as a clock event. `--kernels` instead records the kernels of ten
+steps back to back and of ten steps each after a pause of 0.3 s (PyTorch's profiler, CUPTI
+timestamps) and prints each kind's device time per step in both, to show which kernels the
+power cap slows. `--one-step` runs one step between cudaProfilerStart / Stop after warm-up
+(for Nsight Compute) and exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import subprocess
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from m3lm.bench import build_slice, prefill_step
 
@@ -58,12 +64,53 @@ def phase(step, pause: float) -> str:
     )
 
 
+KINDS = [  # (kind, pattern of the kernel names), first match wins
+    ("MoE GEMMs", r"_moe_gate_up_kernel|_moe_gemm_kernel"),
+    ("cuBLAS products", r"nvjet|gemm|cutlass"),
+    ("MSA attention", r"_prefill_kernel"),
+    ("dense attention (cuDNN)", r"cudnn|flash"),
+    ("the rest", r""),
+]
+
+
+def kernels(step, pause: float, steps: int = 10) -> dict[str, float]:
+    """Device ms per step of each kind of kernel over `steps` steps, each after `pause` s idle."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            if pause:
+                torch.cuda.synchronize()
+                time.sleep(pause)
+            step()
+        torch.cuda.synchronize()
+    out = dict.fromkeys([k for k, _ in KINDS], 0.0)
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.device_time_total > 0:
+            kind = next(k for k, pat in KINDS if re.search(pat, e.key))
+            out[kind] += e.device_time_total / 1e3 / steps
+    return out
+
+
+def kernel_table(step) -> None:
+    t0 = time.time()
+    while time.time() - t0 < 2:  # back to back again first: the clock settles under the power cap
+        step()
+    busy, rested = kernels(step, 0.0), kernels(step, 0.3)
+    print("| kernels | back to back, ms a step | after 0.3 s idle | ratio |\n|---|---|---|---|")
+    for kind in busy:
+        print(
+            f"| {kind} | {busy[kind]:.2f} | {rested[kind]:.2f} | {busy[kind] / max(rested[kind], 1e-9):.2f} |"
+        )
+    b, r = sum(busy.values()), sum(rested.values())
+    print(f"| all | {b:.2f} | {r:.2f} | {b / r:.2f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--length", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--one-step", action="store_true")
+    p.add_argument("--kernels", action="store_true")
     args = p.parse_args()
     step = prefill_step(build_slice(args.layers), args.length)
     for _ in range(3):
@@ -79,6 +126,9 @@ def main() -> None:
     while time.time() - t0 < 3:  # the clock that steps back to back settle at
         step()
     for r in range(args.rounds):
+        if args.kernels:
+            kernel_table(step)
+            continue
         for pause in (0.0, 0.5, 0.1):
             print(f"round {r}, pause {pause:.1f} s: {phase(step, pause)}", flush=True)
 
