@@ -9,7 +9,8 @@ query's future, are masked; the last block's steps past the tile's last query ar
 Softmax is online in fp32, as in flash attention, so nothing of size [T, Tk] exists. Adjacent
 queries select mostly the same blocks, so the union stays close to k blocks and the work close
 to the exact sparse product. Without a selection every visible block is taken: plain causal
-flash attention.
+flash attention. On Hopper GPUs each step's K and V rows come by tensor-memory (TMA) copies
+(`tma_ok`), which spares the registers and instructions of per-thread loads.
 
 Shapes: T queries at consecutive positions q_pos, Tk keys at positions 0..Tk-1, H = K x G query
 heads, D head dim, S block size, k selected blocks per query and group, NT = ceil(T / BQ) tiles,
@@ -37,13 +38,14 @@ SCORE_BUDGET = 1 << 26  # fp32 block scores held at once by `msa_select`
 
 @triton.jit
 def _attend_block(
-    j, n_iter, q, bits, blocks_ptr, k_ptr, v_ptr, kh, s_kt, s_kh, row_ok, pos, tk, qk_scale, m_i, l_i, acc,
-    offs_d, D: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr, SPARSE: tl.constexpr,
-    W: tl.constexpr, PREC: tl.constexpr,
+    j, n_iter, q, bits, blocks_ptr, k_ptr, v_ptr, k_desc, v_desc, kh, s_kt, s_kh, row_ok, pos, tk, qk_scale,
+    m_i, l_i, acc, offs_d, D: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr,
+    SPARSE: tl.constexpr, W: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """Keys BN at a time: sub-block j % NSUB of the (j // NSUB)-th block of the tile's list, into
     the online softmax of every row. `bits`: each row's word of `tile_blocks`' bits (W = 1) or
-    pointers to its words."""
+    pointers to its words. TMA: K and V rows come by tensor-memory copies ([Tk, K*D] descriptors;
+    rows past Tk read as zeros) instead of per-thread loads."""
     i = j // NSUB
     live = j < n_iter
     if SPARSE:
@@ -57,9 +59,14 @@ def _attend_block(
     key_pos = blk * S + offs_s
     key_ok = live & (offs_s < S) & (key_pos < tk)
     d_ok = offs_d[None, :] < D
-    kv = key_pos[:, None] * s_kt + kh * s_kh + offs_d[None, :]
-    kb = tl.load(k_ptr + kv, mask=key_ok[:, None] & d_ok, other=0.0)
-    vb = tl.load(v_ptr + kv, mask=key_ok[:, None] & d_ok, other=0.0)
+    if TMA:
+        row = blk * S + (j % NSUB) * BN
+        kb = k_desc.load([row, kh * D])
+        vb = v_desc.load([row, kh * D])
+    else:
+        kv = key_pos[:, None] * s_kt + kh * s_kh + offs_d[None, :]
+        kb = tl.load(k_ptr + kv, mask=key_ok[:, None] & d_ok, other=0.0)
+        vb = tl.load(v_ptr + kv, mask=key_ok[:, None] & d_ok, other=0.0)
     s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32, input_precision=PREC)  # [RP, BN]
     # A row keeps the keys it chose, up to its own position: one compare per score.
     lim = tl.where(take, pos, -1)  # [RP] the last key each row keeps
@@ -75,12 +82,12 @@ def _attend_block(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bits_ptr, blocks_ptr, count_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, bits_ptr, blocks_ptr, count_ptr, out_ptr,
     first_pos, t_len, tk, qk_scale,
     s_qt, s_qh, s_kt, s_kh, s_wk, s_wt, s_bk, s_bt, s_ck, s_ot, s_oh,
     G: tl.constexpr, BQ: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     S: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, SPARSE: tl.constexpr,
-    MAX_ITERS: tl.constexpr, DYNAMIC: tl.constexpr, PREC: tl.constexpr,
+    MAX_ITERS: tl.constexpr, DYNAMIC: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     NSUB: tl.constexpr = (S + BN - 1) // BN  # key sub-blocks per block
     tile = tl.program_id(0)
@@ -119,8 +126,8 @@ def _prefill_kernel(
     # it runs MAX_ITERS times with the surplus iterations masked out.
     for j in range(0, n_iter if DYNAMIC else MAX_ITERS):
         m_i, l_i, acc = _attend_block(
-            j, n_iter, q, bits, blocks_ptr + kh * s_bk + tile * s_bt, k_ptr, v_ptr, kh, s_kt, s_kh,
-            row_ok, pos, tk, qk_scale, m_i, l_i, acc, offs_d, D, S, BN, NSUB, SPARSE, W, PREC,
+            j, n_iter, q, bits, blocks_ptr + kh * s_bk + tile * s_bt, k_ptr, v_ptr, k_desc, v_desc, kh, s_kt,
+            s_kh, row_ok, pos, tk, qk_scale, m_i, l_i, acc, offs_d, D, S, BN, NSUB, SPARSE, W, PREC, TMA,
         )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padding rows saw no key
     tl.store(
@@ -216,13 +223,16 @@ def msa_prefill_attention(
     block_size: int = 128,
     first_pos: int | None = None,
     config: tuple[int, int, int, int] | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as `msa_attention_ref` for consecutive query positions: [T, H, D] -> [T, H, D].
 
     `first_pos` (q_pos[0]) may be passed to spare a device read. `block_size` tiles the keys when
     there is no selection (it need not match the MSA block then). `config` is (query rows per
     program, warps, pipeline stages, keys per step); `benchmarks/prefill_configs.py` picks the
-    default (fp32 tiles take one stage fewer to fit in shared memory).
+    default (fp32 tiles take one stage fewer to fit in shared memory). `tma`: K and V by
+    tensor-memory copies (default: where `tma_ok`); the products are the same bit for bit, and
+    the kernel holds fewer registers and issues fewer instructions than with per-thread loads.
     """
     rows, warps, stages, keys = config or (CONFIG_FP32 if q.dtype == torch.float32 else CONFIG)
     t_len, n_heads, d = q.shape
@@ -249,16 +259,42 @@ def msa_prefill_attention(
     # Only the interpreter runs to MAX_ITERS; compiled, a length-dependent constant would build
     # one kernel per prompt length, so it is fixed there.
     max_iters = max_blocks * triton.cdiv(block_size, bn) if interpreted() else 1
+    if tma if tma is not None else tma_ok(k):
+        k_desc, v_desc, use_tma = _kv_desc(k, bn), _kv_desc(v, bn), True
+    else:
+        k_desc, v_desc, use_tma = k, v, False  # unused
     _prefill_kernel[(nt, n_kv)](
-        q, k, v, bits, blocks, count, out, first, t_len, tk, scale * 1.4426950408889634,
+        q, k, v, k_desc, v_desc, bits, blocks, count, out, first, t_len, tk, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), *strides, out.stride(0), out.stride(1),
         G=g, BQ=bq, RP=max(16, triton.next_power_of_2(bq * g)), D=d, DP=max(16, triton.next_power_of_2(d)),
         S=block_size, BN=bn, W=bits.shape[-1] if sparse else 1, SPARSE=sparse,
         MAX_ITERS=max_iters,
         DYNAMIC=not interpreted(),
-        PREC=precision(q), num_warps=warps, num_stages=stages,
+        PREC=precision(q), TMA=use_tma, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
+
+
+def tma_ok(k: torch.Tensor) -> bool:
+    """Whether K and V [Tk, K, D] can come by tensor-memory copies: 16-bit on a Hopper or later
+    GPU (compiled, not interpreted), D a power of two, rows 16-byte aligned."""
+    return (
+        k.is_cuda
+        and not interpreted()
+        and k.dtype in (torch.bfloat16, torch.float16)
+        and torch.cuda.get_device_capability(k.device)[0] >= 9
+        and k.shape[-1] == pad(k.shape[-1]) <= 256  # a copy's box is at most 256 wide
+        and k.data_ptr() % 16 == 0
+        and k.stride(0) * k.element_size() % 16 == 0
+    )
+
+
+def _kv_desc(x: torch.Tensor, keys: int):
+    """A [Tk, K*D] tensor-memory descriptor of contiguous x [Tk, K, D], `keys` rows x D a copy."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    tk, n_kv, d = x.shape
+    return TensorDescriptor.from_tensor(x.view(tk, n_kv * d), [keys, d])
 
 
 @triton.jit
