@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -38,6 +38,18 @@ class ForwardBatch:
     q_lens: list[int]
     kv: KVStore | None = None
     msa_dense_window: float | None = None  # opt-in approximation, see EngineConfig
+    _rope: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def rope(self, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, R/2] fp32 of `positions`, made on first use (after the first layer's
+        projections are queued: a prefill's GPU then starts on a product, not on these small
+        launches) and shared by every layer."""
+        from m3lm.layers.rotary import rope_cos_sin
+
+        key = (rotary_dim, float(theta))
+        if key not in self._rope:
+            self._rope[key] = rope_cos_sin(self.positions, rotary_dim, theta)
+        return self._rope[key]
 
     def first_position(self, seq: int) -> int:
         """Position of sequence `seq`'s first token in this pass (host side, no device read)."""

@@ -298,3 +298,35 @@ def test_sdpa_attention_matches_reference(dtype):
     q2 = torch.randn(tk, 8, 16, generator=gen).to(dtype)
     ref = msa_attention_ref(q2, k, v, full, 0.25)
     assert torch.allclose(msa_attention_sdpa(q2, k, v, full, 0.25).float(), ref.float(), atol=tol)
+
+
+def test_batch_rope_table_is_made_once_and_is_the_positions_table():
+    from m3lm.core import ForwardBatch
+
+    pos = torch.tensor([5, 0, 13, 4095])
+    batch = ForwardBatch(pos, [4])
+    cos, sin = batch.rope(8, 1e4)
+    want_cos, want_sin = rope_cos_sin(pos, 8, 1e4)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    again = batch.rope(8, 1e4)
+    assert again[0] is cos and again[1] is sin  # shared by every layer of the pass
+    assert torch.equal(batch.rope(4, 1e4)[0], rope_cos_sin(pos, 4, 1e4)[0])  # another width: its own table
+
+
+def test_paged_writes_land_on_each_position_page_and_slot():
+    import m3lm
+    from m3lm.cache.kv_cache import KVCache, PagedKV
+
+    args = m3lm.ModelArgs.from_file(m3lm.DEFAULT_MODEL / "config.json")
+    s = args.index_block_size
+    cache = KVCache(args, 5, "cpu", torch.float32)
+    table, start, n = [3, 0, 4], s + 2, s  # positions s+2 .. 2s+1: the end of page 0, the start of page 4
+    k = torch.randn(n, args.num_key_value_heads, args.head_dim)
+    v = torch.randn_like(k)
+    kv = PagedKV(cache, [table], [start], [n])
+    keys, values = kv.update(0, 0, k, v)
+    for i in range(n):
+        p = start + i
+        assert torch.equal(cache.k[0][table[p // s], p % s], k[i])
+        assert torch.equal(cache.v[0][table[p // s], p % s], v[i])
+    assert keys.shape[0] == start + n and torch.equal(keys[start:], k) and torch.equal(values[start:], v)

@@ -75,7 +75,8 @@ class MassProbe:
 
     @torch.no_grad()
     def _hook(self, attn: Attention, inputs: tuple) -> None:
-        x, batch, cos, sin = inputs
+        x, batch, *rope = inputs
+        cos, sin = rope if rope and rope[0] is not None else batch.rope(*attn.rotary)
         block, topk, local, init = attn.msa
         start = 0
         for n in batch.q_lens:

@@ -78,17 +78,27 @@ class PagedKV:
         self.starts = list(starts)
         s = cache.page_size
         device = cache.k[0].device
-        self._write, self._read = [], []
+        self._write: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._read = []
         for table, start, n in zip(tables, starts, q_lens, strict=True):
             total = start + n
             assert len(table) * s >= total, "pages must be allocated before the forward"
+            # The page list goes to the device now, while the GPU is idle: a copy from pageable
+            # memory waits for the stream, which later would stall the host behind the GPU.
             t = torch.tensor(table[: -(-total // s)], dtype=torch.long, device=device)
-            pos = torch.arange(start, total, device=device)
-            self._write.append((t[pos // s], pos % s))
             self._read.append((t, total))
 
+    def _slots(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, slot) [n] of each new position of sequence `seq`; made on first use, so that a
+        prefill's first products are queued before these small launches."""
+        if seq not in self._write:
+            (table, total), start, s = self._read[seq], self.starts[seq], self.cache.page_size
+            pos = torch.arange(start, total, device=table.device)
+            self._write[seq] = (table[pos // s], pos % s)
+        return self._write[seq]
+
     def _append(self, pool: torch.Tensor, seq: int, new: torch.Tensor) -> torch.Tensor:
-        pages, slots = self._write[seq]
+        pages, slots = self._slots(seq)
         pool[pages, slots] = new.to(pool.dtype)
         table, total = self._read[seq]
         return pool[table].flatten(0, 1)[:total]
@@ -99,7 +109,7 @@ class PagedKV:
         return self._append(self.cache.k[layer], seq, k), self._append(self.cache.v[layer], seq, v)
 
     def update_index(self, layer: int, seq: int, ik: torch.Tensor) -> torch.Tensor:
-        pages, slots = self._write[seq]
+        pages, slots = self._slots(seq)
         self.cache.write_index(layer, pages, slots, ik)
         table, total = self._read[seq]
         return self.cache.read_index(layer, table, total, ik.dtype)

@@ -71,6 +71,7 @@ class Attention(nn.Module):
         q_heads, kv_heads = head_ranges(args, parallel)
         self.n_heads, self.n_kv, self.head_dim = len(q_heads), len(kv_heads), args.head_dim
         self.scale = args.head_dim**-0.5
+        self.rotary = (args.rotary_dim, args.rope_theta)
         c, h, k, d = args.hidden_size, self.n_heads, self.n_kv, self.head_dim
         self.q_proj = nn.Linear(c, h * d, bias=False, dtype=dtype)
         self.k_proj = nn.Linear(c, k * d, bias=False, dtype=dtype)
@@ -127,9 +128,18 @@ class Attention(nn.Module):
         return q, k, v, iq, ik
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        q, k, v, iq, ik = self.project(x, cos, sin)
+        """x [T, C] -> [T, C]. cos, sin: the RoPE table of batch.positions, by default the
+        batch's own (`ForwardBatch.rope`), made after the projections are queued."""
+        outs = self._products(x)[1]
+        if cos is None:
+            cos, sin = batch.rope(*self.rotary)
+        q, k, v, iq, ik = self._heads(outs, cos, sin)
         outs, start = [], 0
         for seq, n in enumerate(batch.q_lens):
             rows = slice(start, start + n)
@@ -327,13 +337,11 @@ class DecoderLayer(nn.Module):
         h: torch.Tensor,
         pending: torch.Tensor | None,
         batch: ForwardBatch,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream h [T, C], the previous layer's output not yet added to it, or None)
         -> (h, this layer's MLP/MoE output, not yet added): each residual add is done together
         with the norm that follows it (`add_norm`)."""
-        return self._run(h, pending, lambda x: self.self_attn(x, batch, cos, sin))
+        return self._run(h, pending, lambda x: self.self_attn(x, batch))
 
     def decode(
         self,
@@ -445,11 +453,9 @@ class MiniMaxM3(nn.Module):
         self, tokens: torch.Tensor, batch: ForwardBatch, logits_rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Packed tokens [T] -> fp32 logits [T, V], or only at `logits_rows` [R] -> [R, V]."""
-        a = self.args
         h, pending = self.model.embed(tokens), None  # [T, C], no embedding scaling
-        cos, sin = rope_cos_sin(batch.positions, a.rotary_dim, a.rope_theta)  # [T, R/2] fp32
-        for layer in self.model.layers:
-            h, pending = layer(h, pending, batch, cos, sin)
+        for layer in self.model.layers:  # RoPE tables: `ForwardBatch.rope`, once, in layer 0
+            h, pending = layer(h, pending, batch)
         if logits_rows is not None:
             h, pending = h[logits_rows], None if pending is None else pending[logits_rows]
         return all_gather(
