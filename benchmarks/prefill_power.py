@@ -27,7 +27,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from m3lm.bench import build_slice, prefill_step
+from m3lm.bench import build_slice, event_ms, prefill_step
 
 SMI = [
     "nvidia-smi",
@@ -46,12 +46,7 @@ def phase(step, pause: float) -> str:
         if pause:
             torch.cuda.synchronize()
             time.sleep(pause)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(event_ms(step))
     smi.terminate()
     samples = [line.split(",") for line in smi.communicate()[0].splitlines() if line.count(",") == 2]
     busy = [s for s in samples if float(s[1]) > 250]  # samples while a step ran, not the pauses

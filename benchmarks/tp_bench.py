@@ -54,6 +54,7 @@ from tp_slice import (  # noqa: E402
     table,
 )
 
+from m3lm.bench import event_ms  # noqa: E402
 from m3lm.cache.kv_cache import KVCache, PagedKV  # noqa: E402
 from m3lm.core import DecodeBatch, ForwardBatch  # noqa: E402
 from m3lm.distributed.launch import COLLECTIVE_TIMEOUT_S, free_port, rank_device  # noqa: E402
@@ -76,12 +77,7 @@ def time_ms(fn, iters: int, pc: ParallelConfig, dev: torch.device) -> float:
     times = []
     for _ in range(iters):
         if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(event_ms(fn))
         else:
             t0 = time.perf_counter()
             fn()

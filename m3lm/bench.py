@@ -142,6 +142,16 @@ WARMUP_S = 0.5  # each case runs this long before it is timed, so that it starts
 # and power state, not the one the case before left (a prefill drops the SM clock for a while)
 
 
+def event_ms(fn) -> float:
+    """Milliseconds of one call of `fn` on the GPU, between two CUDA events (waits for the end)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def _time(fn, iters: int) -> float:
     start, calls = time.perf_counter(), 0
     while calls < 3 or time.perf_counter() - start < WARMUP_S:
@@ -150,14 +160,7 @@ def _time(fn, iters: int) -> float:
         if calls % 8 == 0:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    times = [event_ms(fn) for _ in range(iters)]
     return sorted(times)[len(times) // 2]
 
 

@@ -259,10 +259,8 @@ def msa_prefill_attention(
     # Only the interpreter runs to MAX_ITERS; compiled, a length-dependent constant would build
     # one kernel per prompt length, so it is fixed there.
     max_iters = max_blocks * triton.cdiv(block_size, bn) if interpreted() else 1
-    if tma if tma is not None else tma_ok(k):
-        k_desc, v_desc, use_tma = _kv_desc(k, bn), _kv_desc(v, bn), True
-    else:
-        k_desc, v_desc, use_tma = k, v, False  # unused
+    use_tma = tma_ok(k) if tma is None else tma
+    k_desc, v_desc = (_kv_desc(k, bn), _kv_desc(v, bn)) if use_tma else (k, v)  # (k, v): unused
     _prefill_kernel[(nt, n_kv)](
         q, k, v, k_desc, v_desc, bits, blocks, count, out, first, t_len, tk, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), *strides, out.stride(0), out.stride(1),
