@@ -42,7 +42,8 @@ def selection(kind: str, k: int, length: int, s: int, a, gen: torch.Generator) -
 def bench_attention(model: MiniMaxM3, length: int, iters: int) -> list[Row]:
     """One sparse layer's attention at `length` tokens: the block-sparse Triton prefill kernel
     against dense causal flash attention (SDPA) on the same q, k, v, for two kinds of selection."""
-    from m3lm.kernels.msa_prefill_triton import ROWS, msa_prefill_attention, tile_blocks
+    from m3lm.kernels.msa_prefill_triton import ROWS, msa_prefill_attention
+    from m3lm.kernels.msa_tiles import group_queries, tile_blocks
 
     a = model.args
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -59,7 +60,8 @@ def bench_attention(model: MiniMaxM3, length: int, iters: int) -> list[Row]:
     rows = []
     for kind in ("drift", "random"):
         sel = selection(kind, k, length, s, a, gen)
-        union = float(tile_blocks(sel.int(), max(1, ROWS // (h // k)), -(-length // s))[1].float().mean())
+        bq = max(1, ROWS // (h // k))
+        union = float(tile_blocks(sel, bq, -(-length // s), group_queries(sel, bq))[1].float().mean())
         ms = _time(lambda: msa_prefill_attention(q, kk, vv, pos, d**-0.5, sel, s, 0), iters)  # noqa: B023
         case = f"MSA attention T={length}, {kind} selection ({union:.1f} blocks per tile)"
         rows.append(Row(case, ms, length, 0.0, 4 * keys * h * d, ref_ms=dense_ms))

@@ -24,9 +24,8 @@ from m3lm.kernels.msa_prefill_triton import (
     msa_prefill_attention,
     msa_select,
     select_blocks,
-    tile_blocks,
-    tile_blocks_ref,
 )
+from m3lm.kernels.msa_tiles import group_queries, group_queries_ref, tile_blocks, tile_blocks_ref
 from m3lm.layers.mlp import swiglu_oai_ref
 from m3lm.layers.moe import route
 from m3lm.layers.norm import rms_norm_ref
@@ -92,6 +91,11 @@ def prefill_kernel():
             # the next block's keys, then masked): the same products bit for bit.
             tma = msa_prefill_attention(q, kk, vv, pos, 0.3, block_ids, s, config=cfg, tma=True)
             assert torch.equal(tma, out)
+            # Tiles of consecutive queries instead of grouped ones: each row's arithmetic is the same.
+            plain = msa_prefill_attention(
+                q, kk, vv, pos, 0.3, block_ids, s, config=cfg, tma=False, grouped=False
+            )
+            assert torch.equal(plain, out)
 
 
 def prefill_selection():
@@ -117,6 +121,16 @@ def prefill_selection():
         ids = torch.stack([torch.randperm(n)[:k] for _ in range(2 * t_len)]).view(2, t_len, k)
         ids[0, 3, 1:] = -1
         for got, want in zip(tile_blocks(ids, bq, n), tile_blocks_ref(ids, bq), strict=True):
+            assert torch.equal(got, want)
+    # Queries grouped by overlapping selections: one window and several (the last one partial),
+    # exact masks (60 blocks) and folded ones (600), and the tiles' unions over that order.
+    for t_len, n, k, bq in [(10, 12, 3, 4), (300, 60, 5, 4), (200, 600, 5, 8)]:
+        ids = torch.stack([torch.randperm(n)[:k] for _ in range(2 * t_len)]).view(2, t_len, k)
+        ids[1, 5, 2:] = -1
+        order = group_queries(ids, bq)
+        assert torch.equal(order[:, :t_len], group_queries_ref(ids, bq)[:, :t_len])
+        assert all(sorted(order[g, :t_len].tolist()) == list(range(t_len)) for g in range(2))
+        for got, want in zip(tile_blocks(ids, bq, n, order), tile_blocks_ref(ids, bq, order), strict=True):
             assert torch.equal(got, want)
 
 
@@ -349,6 +363,10 @@ def elementwise_kernels():
     s, y = fused.add_rms_norm(h, d, w, 1e-6)
     close(s, h + d)
     close(y, rms_norm_ref(h + d, w, 1e-6))
+    table, ids = torch.randn(11, 40), torch.tensor([3, 0, 10, 3, 7])  # the embedding and the first norm
+    e, y = fused.embed_rms_norm(ids, table, w, 1e-6)
+    assert torch.equal(e, table[ids])
+    assert torch.equal(y, fused.rms_norm(table[ids], w, 1e-6))
     # Per-head norm + RoPE on a strided slice of a wider projection (as the model passes q, k).
     wide = torch.randn(5, 3 * 24 + 8)
     view = wide[:, 8:].view(5, 3, 24)

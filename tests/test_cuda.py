@@ -343,6 +343,9 @@ def test_fused_elementwise_kernels_match_reference(dtype):
     s, y = fused.add_rms_norm(h, d, w, 1e-6)
     assert torch.equal(s, h + d)
     assert rel(y, rms_norm_ref(h + d, w, 1e-6)) < tol
+    ids = torch.randint(0, 33, (70,), generator=gen).to(DEV)
+    e, y = fused.embed_rms_norm(ids, h, w, 1e-6)  # the embedding and the first norm in one pass
+    assert torch.equal(e, h[ids]) and torch.equal(y, fused.rms_norm(h[ids], w, 1e-6))
     for t, n, d, r in [(7, 64, 128, 64), (300, 4, 128, 64), (5, 1, 128, 64), (4, 3, 96, 32)]:
         wide = torch.randn(t, (n + 2) * d, generator=gen).to(DEV, dtype)
         x = wide[:, d : (n + 1) * d].view(t, n, d)  # a strided slice, as of a fused projection
@@ -377,6 +380,22 @@ def test_prefill_kernel_matches_reference(dtype, h, k, d, s, topk, tk, t):
         assert rel(out, ref) < tol
         if dtype != torch.float32:  # K and V by tensor-memory copies: the same products, bit for bit
             assert torch.equal(msa_prefill_attention(q, kk, vv, pos, d**-0.5, block_ids, s, tma=True), out)
+        # Consecutive queries in a tile instead of grouped ones: each row's arithmetic is the same.
+        plain = msa_prefill_attention(q, kk, vv, pos, d**-0.5, block_ids, s, tma=False, grouped=False)
+        assert torch.equal(plain, out)
+
+
+def test_query_groups_and_tile_unions_match_reference():
+    from m3lm.kernels.msa_tiles import group_queries, group_queries_ref, tile_blocks, tile_blocks_ref
+
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    for t, n, k in [(300, 60, 16), (1000, 40, 16), (260, 700, 16)]:
+        ids = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(4 * t)]).view(4, t, k)
+        order = group_queries(ids.to(DEV), 4)
+        assert torch.equal(order.cpu()[:, :t], group_queries_ref(ids, 4)[:, :t])
+        got = tile_blocks(ids.to(DEV), 4, n, order)
+        for a, b in zip(got, tile_blocks_ref(ids, 4, order.cpu()), strict=True):
+            assert torch.equal(a.cpu(), b.cpu())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

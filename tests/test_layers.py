@@ -313,20 +313,29 @@ def test_batch_rope_table_is_made_once_and_is_the_positions_table():
     assert torch.equal(batch.rope(4, 1e4)[0], rope_cos_sin(pos, 4, 1e4)[0])  # another width: its own table
 
 
-def test_paged_writes_land_on_each_position_page_and_slot():
+@pytest.mark.parametrize("table", [[3, 0, 4], [1, 2, 3]])  # scattered pages; consecutive ones (views)
+def test_paged_writes_land_on_each_position_page_and_slot(table):
     import m3lm
     from m3lm.cache.kv_cache import KVCache, PagedKV
 
     args = m3lm.ModelArgs.from_file(m3lm.DEFAULT_MODEL / "config.json")
     s = args.index_block_size
     cache = KVCache(args, 5, "cpu", torch.float32)
-    table, start, n = [3, 0, 4], s + 2, s  # positions s+2 .. 2s+1: the end of page 0, the start of page 4
+    start, n = s + 2, s  # positions s+2 .. 2s+1: the end of the second page, the start of the third
     k = torch.randn(n, args.num_key_value_heads, args.head_dim)
     v = torch.randn_like(k)
+    layer = args.sparse_layers.index(True)
+    ik = torch.randn(n, args.index_head_dim)
     kv = PagedKV(cache, [table], [start], [n])
-    keys, values = kv.update(0, 0, k, v)
+    keys, values = kv.update(layer, 0, k, v)
+    index_keys = kv.update_index(layer, 0, ik)
     for i in range(n):
         p = start + i
-        assert torch.equal(cache.k[0][table[p // s], p % s], k[i])
-        assert torch.equal(cache.v[0][table[p // s], p % s], v[i])
+        assert torch.equal(cache.k[layer][table[p // s], p % s], k[i])
+        assert torch.equal(cache.v[layer][table[p // s], p % s], v[i])
+        assert torch.equal(cache.ik[layer][table[p // s], p % s], ik[i])
     assert keys.shape[0] == start + n and torch.equal(keys[start:], k) and torch.equal(values[start:], v)
+    assert index_keys.shape[0] == start + n and torch.equal(index_keys[start:], ik)
+    # Consecutive pages are read in place; others are gathered.
+    in_place = keys.untyped_storage().data_ptr() == cache.k[layer].untyped_storage().data_ptr()
+    assert in_place == (table == [1, 2, 3])

@@ -49,59 +49,86 @@ class KVCache:
         )
         return args.index_block_size * (kv + index)
 
-    def write_index(self, layer: int, pages: torch.Tensor, slots: torch.Tensor, ik: torch.Tensor) -> None:
-        """Store index keys ik [n, Di] at (pages, slots) [n], quantised per position when fp8."""
+    def write_index(self, layer: int, at, ik: torch.Tensor) -> None:
+        """Store index keys ik [n, Di] at `at` (`put`), quantised per position when fp8."""
         if layer in self.ik_scale:
             q, scale = quantize_rows_fp8(ik)
-            self.ik[layer][pages, slots] = q
-            self.ik_scale[layer][pages, slots] = scale
+            put(self.ik[layer], at, q)
+            put(self.ik_scale[layer], at, scale)
         else:
-            self.ik[layer][pages, slots] = ik.to(self.ik[layer].dtype)
+            put(self.ik[layer], at, ik.to(self.ik[layer].dtype))
 
-    def read_index(self, layer: int, table: torch.Tensor, total: int, dtype: torch.dtype) -> torch.Tensor:
-        """A sequence's index keys [total, Di] from its pages `table`, dequantised to `dtype`."""
+    def read_index(self, layer: int, table, total: int, dtype: torch.dtype) -> torch.Tensor:
+        """A sequence's index keys [total, Di] from its pages `table` (a page list, or a slice of
+        consecutive pages: then a view), dequantised to `dtype`."""
         keys = self.ik[layer][table].flatten(0, 1)[:total]
         if layer in self.ik_scale:
             return dequant_rows_fp8(keys, self.ik_scale[layer][table].flatten(0, 1)[:total], dtype)
         return keys
 
 
+def put(pool: torch.Tensor, at, new: torch.Tensor) -> None:
+    """pool [P, S, ...] at `at` = new: `at` is (pages, slots) [n] each, or a slice of positions
+    over the pages laid end to end (a copy into a view, no index kernel)."""
+    if isinstance(at, slice):
+        pool.flatten(0, 1)[at] = new
+    else:
+        pool[at] = new
+
+
 class PagedKV:
     """The `KVStore` of one forward pass: sequence i writes positions starts[i].. into its pages.
 
-    Reference path: after writing, a sequence's keys are gathered from its pages in position
-    order ([Tk, K, D]); the GPU kernels read the pages in place instead.
+    A sequence whose pages are consecutive (a fresh cache hands them out in order) writes and
+    reads its keys through views of the pools; otherwise its page list goes to the device, new
+    keys are scattered to (page, slot) and its keys are gathered in position order ([Tk, K, D]).
+    Device work is made on first use, so a prefill's first products are queued before it.
     """
 
     def __init__(self, cache: KVCache, tables: list[list[int]], starts: list[int], q_lens: list[int]):
         self.cache = cache
         self.starts = list(starts)
         s = cache.page_size
-        device = cache.k[0].device
-        self._write: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._read = []
+        self._seqs: list[tuple[list[int], int, slice | None]] = []  # (pages, total, the run of pages)
         for table, start, n in zip(tables, starts, q_lens, strict=True):
             total = start + n
             assert len(table) * s >= total, "pages must be allocated before the forward"
-            # The page list goes to the device now, while the GPU is idle: a copy from pageable
-            # memory waits for the stream, which later would stall the host behind the GPU.
-            t = torch.tensor(table[: -(-total // s)], dtype=torch.long, device=device)
-            self._read.append((t, total))
+            pages = list(table[: -(-total // s)])
+            first = pages[0] if pages else 0
+            run = (
+                slice(first, first + len(pages)) if pages == list(range(first, first + len(pages))) else None
+            )
+            self._seqs.append((pages, total, run))
+        self._tables: dict[int, torch.Tensor] = {}
+        self._write: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _slots(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, slot) [n] of each new position of sequence `seq`; made on first use, so that a
-        prefill's first products are queued before these small launches."""
+    def _table(self, seq: int) -> slice | torch.Tensor:
+        """Sequence `seq`'s pages: a slice when consecutive, else the page list on the device
+        (copied from pinned memory: the host does not wait for the stream)."""
+        pages, _, run = self._seqs[seq]
+        if run is not None:
+            return run
+        if seq not in self._tables:
+            device = self.cache.k[0].device
+            host = torch.tensor(pages, dtype=torch.long, pin_memory=device.type == "cuda")
+            self._tables[seq] = host.to(device, non_blocking=True)
+        return self._tables[seq]
+
+    def _at(self, seq: int):
+        """Where sequence `seq`'s new positions go (`put`)."""
+        _, total, run = self._seqs[seq]
+        start, s = self.starts[seq], self.cache.page_size
+        if run is not None:
+            return slice(run.start * s + start, run.start * s + total)
         if seq not in self._write:
-            (table, total), start, s = self._read[seq], self.starts[seq], self.cache.page_size
+            table = self._table(seq)
             pos = torch.arange(start, total, device=table.device)
             self._write[seq] = (table[pos // s], pos % s)
         return self._write[seq]
 
     def _append(self, pool: torch.Tensor, seq: int, new: torch.Tensor) -> torch.Tensor:
-        pages, slots = self._slots(seq)
-        pool[pages, slots] = new.to(pool.dtype)
-        table, total = self._read[seq]
-        return pool[table].flatten(0, 1)[:total]
+        put(pool, self._at(seq), new.to(pool.dtype))
+        return pool[self._table(seq)].flatten(0, 1)[: self._seqs[seq][1]]
 
     def update(
         self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor
@@ -109,7 +136,5 @@ class PagedKV:
         return self._append(self.cache.k[layer], seq, k), self._append(self.cache.v[layer], seq, v)
 
     def update_index(self, layer: int, seq: int, ik: torch.Tensor) -> torch.Tensor:
-        pages, slots = self._slots(seq)
-        self.cache.write_index(layer, pages, slots, ik)
-        table, total = self._read[seq]
-        return self.cache.read_index(layer, table, total, ik.dtype)
+        self.cache.write_index(layer, self._at(seq), ik)
+        return self.cache.read_index(layer, self._table(seq), self._seqs[seq][1], ik.dtype)

@@ -34,6 +34,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def _embed_rms_norm_kernel(ids_ptr, table_ptr, w_ptr, h_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    e = tl.load(table_ptr + tl.load(ids_ptr + row).to(tl.int64) * n + offs, mask=mask, other=0.0)
+    tl.store(h_ptr + row * n + offs, e, mask=mask)
+    x = e.to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    tl.store(y_ptr + row * n + offs, (x * inv * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def embed_rms_norm(
+    ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)) with h = table[ids]: the embedding and the first layer's norm in one pass
+    (ids [T] within the table's rows, as the engine and server check)."""
+    n = table.shape[-1]
+    h = torch.empty(ids.shape[0], n, device=table.device, dtype=table.dtype)
+    y = torch.empty_like(h)
+    _embed_rms_norm_kernel[(ids.shape[0],)](ids, table, weight, h, y, n, eps, BLOCK=triton.next_power_of_2(n))
+    return h, y
+
+
+@triton.jit
 def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)

@@ -1,14 +1,14 @@
 """Block-sparse MSA prefill attention (Triton, flash-style), next to `msa.msa_attention_ref`.
 
-One program takes BQ consecutive queries of one KV group (BQ x G rows: every query head of the
-group, about 64 rows) and walks only the union of the key blocks its queries selected, listed
-ahead of time per tile (`tile_blocks`: sorted, deduplicated, with a bit per query and union
-slot), BN keys a step (64: half a block, so that two programs share an SM and one's softmax
+One program takes BQ queries of one KV group (BQ x G rows: every query head of the group, about
+64 rows; queries whose selections overlap, `msa_tiles.group_queries`) and walks only the union of
+the key blocks its queries selected, listed ahead of time per tile (`msa_tiles.tile_blocks`:
+sorted, deduplicated, with a bit per query and union slot), BN keys a step (64: half a block, so that two programs share an SM and one's softmax
 runs under the other's matrix products). Rows whose query did not select a block, and keys in a
 query's future, are masked; the last block's steps past the tile's last query are skipped.
 Softmax is online in fp32, as in flash attention, so nothing of size [T, Tk] exists. Adjacent
-queries select mostly the same blocks, so the union stays close to k blocks and the work close
-to the exact sparse product. Without a selection every visible block is taken: plain causal
+queries of a trained model select mostly the same blocks, so the union stays close to k blocks
+and the work close to the exact sparse product. Without a selection every visible block is taken: plain causal
 flash attention. On Hopper GPUs each step's K and V rows come by tensor-memory (TMA) copies
 (`tma_ok`), which spares the registers and instructions of per-thread loads.
 
@@ -19,19 +19,17 @@ U = BQ x k union slots per tile.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import triton
 import triton.language as tl
 
 from m3lm.kernels.host import interpreted, pad, precision
+from m3lm.kernels.msa_tiles import group_queries, tile_blocks
 
 ROWS = 64  # query rows (queries x heads of a group) per program
 # (query rows, warps, pipeline stages, keys per step): 64 keys a step keep two programs on an SM
 CONFIG = (ROWS, 4, 3, 64)
 CONFIG_FP32 = (ROWS, 4, 2, 64)
-_NONE = 1 << 30  # padding of the union lists
 _FAR = tl.constexpr(1 << 30)  # a key position past every query (masked keys)
 SCORE_BUDGET = 1 << 26  # fp32 block scores held at once by `msa_select`
 
@@ -82,19 +80,21 @@ def _attend_block(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, bits_ptr, blocks_ptr, count_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, order_ptr, bits_ptr, blocks_ptr, count_ptr, out_ptr,
     first_pos, t_len, tk, qk_scale,
-    s_qt, s_qh, s_kt, s_kh, s_wk, s_wt, s_bk, s_bt, s_ck, s_ot, s_oh,
+    s_qt, s_qh, s_kt, s_kh, s_rk, s_wk, s_wt, s_bk, s_bt, s_ck, s_ot, s_oh,
     G: tl.constexpr, BQ: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    S: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, SPARSE: tl.constexpr,
+    S: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, SPARSE: tl.constexpr, ORDERED: tl.constexpr,
     MAX_ITERS: tl.constexpr, DYNAMIC: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     NSUB: tl.constexpr = (S + BN - 1) // BN  # key sub-blocks per block
     tile = tl.program_id(0)
     kh = tl.program_id(1)
     rows = tl.arange(0, RP)
-    t = tile * BQ + rows // G  # the query of each row
-    row_ok = (rows < BQ * G) & (t < t_len)
+    at_q = tile * BQ + rows // G  # each row's query's place in the order
+    row_ok = (rows < BQ * G) & (at_q < t_len)
+    # the query of each row (the tile's queries from `group_queries`, or consecutive ones)
+    t = tl.load(order_ptr + kh * s_rk + at_q, mask=row_ok, other=0) if ORDERED else at_q
     head = kh * G + rows % G
     pos = first_pos + t
     offs_d = tl.arange(0, DP)
@@ -104,7 +104,10 @@ def _prefill_kernel(
         mask=row_ok[:, None] & d_ok,
         other=0.0,
     )
-    last = tl.minimum(first_pos + tile * BQ + BQ - 1, first_pos + t_len - 1)  # the tile's last query
+    if ORDERED:
+        last = tl.max(tl.where(row_ok, pos, 0), axis=0)  # the tile's last query
+    else:
+        last = tl.minimum(first_pos + tile * BQ + BQ - 1, first_pos + t_len - 1)
     if SPARSE:
         bits = bits_ptr + kh * s_wk + tile * s_wt + (rows // G) * W  # [RP] each row's query's words
         if W == 1:
@@ -137,82 +140,6 @@ def _prefill_kernel(
     )
 
 
-@triton.jit
-def _tile_blocks_kernel(
-    sel_ptr, blocks_ptr, count_ptr, bits_ptr, t_len, n_blocks, s_sk, s_st, s_bk, s_bt, s_ck, s_wk, s_wt,
-    BQ: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, CH: tl.constexpr, N_CHUNKS: tl.constexpr,
-    W: tl.constexpr,
-):  # fmt: skip
-    tile = tl.program_id(0)
-    kh = tl.program_id(1)
-    rows = tl.arange(0, BQ * KP)  # (query, slot) pairs of the tile
-    t = tile * BQ + rows // KP
-    slot = rows % KP
-    sel = tl.load(sel_ptr + kh * s_sk + t * s_st + slot, mask=(t < t_len) & (slot < TOPK), other=-1)
-    count = 0
-    place = tl.zeros([BQ * KP], tl.int32)  # where each pair's block lands in the union list
-    for c in range(N_CHUNKS):  # blocks c*CH .. c*CH+CH-1: which of them some query of the tile chose
-        ids = c * CH + tl.arange(0, CH)
-        hit = sel[:, None] == ids[None, :]  # [BQ * KP, CH]
-        present = tl.max(hit.to(tl.int32), axis=0)  # [CH]
-        at = count + tl.cumsum(present, axis=0) - 1  # ascending positions in the union list
-        tl.store(blocks_ptr + kh * s_bk + tile * s_bt + at, ids, mask=(present > 0) & (ids < n_blocks))
-        place += tl.sum(tl.where(hit, at[None, :], 0), axis=1)
-        count += tl.sum(present, axis=0)
-    tl.store(count_ptr + kh * s_ck + tile, count)
-    # Each query's chosen places as bits, 64 places a word (distinct places: the sum is an OR).
-    one = tl.full([BQ * KP], 1, tl.int64)
-    for w in range(W):
-        bit = tl.where((sel >= 0) & (place // 64 == w), one << (place % 64).to(tl.int64), 0)
-        word = tl.sum(tl.reshape(bit, (BQ, KP)), axis=1)  # [BQ]
-        tl.store(bits_ptr + kh * s_wk + tile * s_wt + tl.arange(0, BQ) * W + w, word)
-
-
-def tile_blocks(
-    block_ids: torch.Tensor, bq: int, n_blocks: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The union of the selected blocks of each tile of `bq` queries, per group, and which of
-    them each query chose.
-
-    block_ids [K, T, k] (-1 = unused), ids below `n_blocks` -> (blocks [K, NT, U] int32
-    ascending, padded with a large id; count [K, NT] int32; bits [K, NT, bq, W] int64: bit u % 64
-    of word u // 64 is set when the query chose blocks[..., u]). One Triton launch, no host
-    synchronisation; `tile_blocks_ref` is the reference.
-    """
-    kh, t, k = block_ids.shape
-    nt = -(-t // bq)
-    sel = block_ids.to(torch.int32).contiguous()
-    blocks = torch.full((kh, nt, bq * k), _NONE, device=sel.device, dtype=torch.int32)
-    count = torch.empty(kh, nt, device=sel.device, dtype=torch.int32)
-    w = -(-bq * k // 64)
-    bits = torch.empty(kh, nt, bq, w, device=sel.device, dtype=torch.int64)
-    ch = min(256, pad(n_blocks))
-    _tile_blocks_kernel[(nt, kh)](
-        sel, blocks, count, bits, t, n_blocks, sel.stride(0), sel.stride(1), blocks.stride(0), blocks.stride(1),
-        count.stride(0), bits.stride(0), bits.stride(1), BQ=bq, TOPK=k, KP=pad(k), CH=ch,
-        N_CHUNKS=triton.cdiv(n_blocks, ch), W=w,
-    )  # fmt: skip
-    return blocks, count, bits
-
-
-def tile_blocks_ref(block_ids: torch.Tensor, bq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`tile_blocks` with PyTorch sorts and loops (the reference)."""
-    kh, t, k = block_ids.shape
-    nt = -(-t // bq)
-    padded = torch.nn.functional.pad(block_ids, (0, 0, 0, nt * bq - t), value=-1).reshape(kh, nt, bq, k)
-    ids = torch.where(padded < 0, _NONE, padded).reshape(kh, nt, bq * k).sort(dim=-1).values
-    repeat = torch.zeros_like(ids, dtype=torch.bool)
-    repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
-    ids = torch.where(repeat, _NONE, ids).sort(dim=-1).values
-    w = -(-bq * k // 64)
-    bits = torch.zeros(kh, nt, bq, w, dtype=torch.int64)
-    for g, tile, query in itertools.product(range(kh), range(nt), range(bq)):
-        for u, blk in enumerate(ids[g, tile].tolist()):
-            if blk in padded[g, tile, query].tolist():
-                bits[g, tile, query, u // 64] |= torch.tensor(1, dtype=torch.int64) << (u % 64)
-    return ids.to(torch.int32), (ids < _NONE).sum(-1).to(torch.int32), bits.to(block_ids.device)
-
-
 def msa_prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -224,6 +151,7 @@ def msa_prefill_attention(
     first_pos: int | None = None,
     config: tuple[int, int, int, int] | None = None,
     tma: bool | None = None,
+    grouped: bool = True,
 ) -> torch.Tensor:
     """Same contract as `msa_attention_ref` for consecutive query positions: [T, H, D] -> [T, H, D].
 
@@ -233,6 +161,8 @@ def msa_prefill_attention(
     default (fp32 tiles take one stage fewer to fit in shared memory). `tma`: K and V by
     tensor-memory copies (default: where `tma_ok`); the products are the same bit for bit, and
     the kernel holds fewer registers and issues fewer instructions than with per-thread loads.
+    `grouped`: a selection's tiles take queries with overlapping blocks (`group_queries`) rather
+    than consecutive ones; the outputs are the same.
     """
     rows, warps, stages, keys = config or (CONFIG_FP32 if q.dtype == torch.float32 else CONFIG)
     t_len, n_heads, d = q.shape
@@ -244,8 +174,9 @@ def msa_prefill_attention(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
     sparse = block_ids is not None
+    order = group_queries(block_ids, bq) if sparse and grouped else None
     if sparse:
-        blocks, count, bits = tile_blocks(block_ids, bq, triton.cdiv(tk, block_size))
+        blocks, count, bits = tile_blocks(block_ids, bq, triton.cdiv(tk, block_size), order)
         max_blocks = blocks.shape[-1]
     else:
         bits = blocks = count = q  # unused pointers
@@ -262,10 +193,11 @@ def msa_prefill_attention(
     use_tma = tma_ok(k) if tma is None else tma
     k_desc, v_desc = (_kv_desc(k, bn), _kv_desc(v, bn)) if use_tma else (k, v)  # (k, v): unused
     _prefill_kernel[(nt, n_kv)](
-        q, k, v, k_desc, v_desc, bits, blocks, count, out, first, t_len, tk, scale * 1.4426950408889634,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), *strides, out.stride(0), out.stride(1),
+        q, k, v, k_desc, v_desc, q if order is None else order, bits, blocks, count, out, first, t_len, tk,
+        scale * 1.4426950408889634, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        0 if order is None else order.stride(0), *strides, out.stride(0), out.stride(1),
         G=g, BQ=bq, RP=max(16, triton.next_power_of_2(bq * g)), D=d, DP=max(16, triton.next_power_of_2(d)),
-        S=block_size, BN=bn, W=bits.shape[-1] if sparse else 1, SPARSE=sparse,
+        S=block_size, BN=bn, W=bits.shape[-1] if sparse else 1, SPARSE=sparse, ORDERED=order is not None,
         MAX_ITERS=max_iters,
         DYNAMIC=not interpreted(),
         PREC=precision(q), TMA=use_tma, num_warps=warps, num_stages=stages,

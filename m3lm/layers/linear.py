@@ -52,7 +52,8 @@ def packed_rows(*layers: nn.Module) -> tuple[torch.Tensor, ...] | None:
     differ in kind or width, or would have to be moved during CUDA graph capture.
 
     The first call moves them into one buffer, and their parameters become views of it, so
-    loading, state dicts and the unpacked path see the same tensors as before.
+    loading, state dicts and the unpacked path see the same tensors as before. The packed views
+    are kept on the first layer while every parameter is still where they were made from.
     """
     first = layers[0]
     if (
@@ -63,6 +64,10 @@ def packed_rows(*layers: nn.Module) -> tuple[torch.Tensor, ...] | None:
     ):
         return None
     groups = list(zip(*(_rows(m) for m in layers), strict=True))  # per tensor kind: one per layer
+    key = tuple((t.data_ptr(), t.shape, t.dtype) for g in groups for t in g)
+    kept = first.__dict__.get("_packed_rows")
+    if kept is not None and kept[0] == key:
+        return kept[1]
     if any(t.shape[1:] != g[0].shape[1:] or t.dtype != g[0].dtype for g in groups for t in g):
         return None
     if not all(_follows(a, b) for g in groups for a, b in itertools.pairwise(g)):
@@ -72,9 +77,12 @@ def packed_rows(*layers: nn.Module) -> tuple[torch.Tensor, ...] | None:
             whole = torch.cat([t.data for t in g])
             for t, part in zip(g, whole.split([t.shape[0] for t in g]), strict=True):
                 t.data = part
-    return tuple(
+        key = tuple((t.data_ptr(), t.shape, t.dtype) for g in groups for t in g)
+    packed = tuple(
         g[0].detach().as_strided((sum(t.shape[0] for t in g), *g[0].shape[1:]), g[0].stride()) for g in groups
     )
+    first.__dict__["_packed_rows"] = (key, packed)
+    return packed
 
 
 def packed_linear(x: torch.Tensor, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:

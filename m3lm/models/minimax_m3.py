@@ -194,7 +194,7 @@ class Attention(nn.Module):
             cache.k[layer][dec.pages, dec.slots] = k.to(cache.k[layer].dtype)
             cache.v[layer][dec.pages, dec.slots] = v.to(cache.v[layer].dtype)
             if self.sparse:
-                cache.write_index(layer, dec.pages, dec.slots, ik)
+                cache.write_index(layer, (dec.pages, dec.slots), ik)
         block_ids = None
         if self.sparse:
             scale = cache.ik_scale.get(layer)  # per-position scales of fp8 index keys, else None
@@ -337,11 +337,13 @@ class DecoderLayer(nn.Module):
         h: torch.Tensor,
         pending: torch.Tensor | None,
         batch: ForwardBatch,
+        x: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream h [T, C], the previous layer's output not yet added to it, or None)
         -> (h, this layer's MLP/MoE output, not yet added): each residual add is done together
-        with the norm that follows it (`add_norm`)."""
-        return self._run(h, pending, lambda x: self.self_attn(x, batch))
+        with the norm that follows it (`add_norm`). x: the input norm of h, where the caller
+        made it already (the first layer's, with the embedding)."""
+        return self._run(h, pending, lambda x: self.self_attn(x, batch), x)
 
     def decode(
         self,
@@ -355,9 +357,10 @@ class DecoderLayer(nn.Module):
         return self._run(h, pending, lambda x: self.self_attn.decode(x, dec, cos, sin))
 
     def _run(
-        self, h: torch.Tensor, pending: torch.Tensor | None, attend
+        self, h: torch.Tensor, pending: torch.Tensor | None, attend, x: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, x = add_norm(h, pending, self.input_layernorm)
+        if x is None:
+            h, x = add_norm(h, pending, self.input_layernorm)
         # Under tensor parallelism both branches return partial sums over this rank's heads/width.
         h, x = add_norm(h, all_reduce(attend(x), self.parallel), self.post_attention_layernorm)
         return h, all_reduce(self.ffn(x), self.parallel)
@@ -386,6 +389,19 @@ class Decoder(nn.Module):
             DecoderLayer(args, i, dtype, parallel) for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def embed_norm(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(embeddings [T, C], the first layer's input norm of them, or None without layers):
+        one pass on the GPU."""
+        if not len(self.layers):
+            return self.embed(tokens), None
+        norm = self.layers[0].input_layernorm
+        if tokens.is_cuda and self.parallel.world == 1:
+            from m3lm.kernels import fused
+
+            return fused.embed_rms_norm(tokens, self.embed_tokens.weight, norm.weight, norm.eps)
+        h = self.embed(tokens)
+        return h, norm(h)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T] -> [T, C]; vocab-parallel: rows of other ranks are zero, then summed."""
@@ -453,9 +469,10 @@ class MiniMaxM3(nn.Module):
         self, tokens: torch.Tensor, batch: ForwardBatch, logits_rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Packed tokens [T] -> fp32 logits [T, V], or only at `logits_rows` [R] -> [R, V]."""
-        h, pending = self.model.embed(tokens), None  # [T, C], no embedding scaling
+        (h, x), pending = self.model.embed_norm(tokens), None  # [T, C], no embedding scaling
         for layer in self.model.layers:  # RoPE tables: `ForwardBatch.rope`, once, in layer 0
-            h, pending = layer(h, pending, batch)
+            h, pending = layer(h, pending, batch, x)
+            x = None
         if logits_rows is not None:
             h, pending = h[logits_rows], None if pending is None else pending[logits_rows]
         return all_gather(
