@@ -385,6 +385,28 @@ def test_prefill_kernel_matches_reference(dtype, h, k, d, s, topk, tk, t):
         assert torch.equal(plain, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_index_scores_and_selection_match_reference(dtype):
+    from m3lm.kernels.msa import msa_select_ref
+    from m3lm.kernels.msa_prefill_triton import index_block_scores, msa_select
+
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    for t, tk, k, first in [(3000, 3000, 4, 0), (700, 5000, 4, 4300), (300, 300, 3, 0)]:
+        iq = torch.randn(t, k, 128, generator=gen).to(DEV, dtype)
+        ik = torch.randn(tk, 128, generator=gen).to(DEV, dtype)
+        pos = torch.arange(first, first + t, device=DEV)
+        got = index_block_scores(iq, ik, first, 128)
+        want = index_block_scores_ref(iq.float(), ik.float(), pos, 128)
+        assert torch.equal(got.isinf(), want.isinf())
+        assert rel(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0)) < 1e-5
+        # Other program shapes (rows as queries x heads, warps, stages): the same values bit for bit.
+        for config in [(64, 4, 2), (256, 8, 3), (16, 4, 2)]:
+            assert torch.equal(index_block_scores(iq, ik, first, 128, config), got)
+        if dtype == torch.float32:  # no near-ties from rounding: the same blocks as the reference
+            sel = msa_select(iq, ik, pos, 128, 16, 1, 0, first)
+            assert torch.equal(sel.long(), msa_select_ref(iq, ik, pos, 128, 16, 1, 0))
+
+
 def test_query_groups_and_tile_unions_match_reference():
     from m3lm.kernels.msa_tiles import group_queries, group_queries_ref, tile_blocks, tile_blocks_ref
 

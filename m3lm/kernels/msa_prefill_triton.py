@@ -232,7 +232,7 @@ def _score_block(
     j, count, iq, ik_ptr, s_ikt, tk, pos, out_ptrs, row_ok, offs_d,
     DI: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Max over block j's visible keys of iq . ik for every query of the tile, stored at column j."""
+    """Max over block j's visible keys of iq . ik for every row of the tile, stored at column j."""
     offs_s = tl.arange(0, SP)
     key_pos = j * S + offs_s
     key_ok = (j < count) & (offs_s < S) & (key_pos < tk)
@@ -241,7 +241,7 @@ def _score_block(
         mask=key_ok[:, None] & (offs_d[None, :] < DI),
         other=0.0,
     )
-    s = tl.dot(iq, tl.trans(ik), out_dtype=tl.float32, input_precision=PREC)  # [BT, SP]
+    s = tl.dot(iq, tl.trans(ik), out_dtype=tl.float32, input_precision=PREC)  # [R, SP]
     s = tl.where(key_ok[None, :] & (key_pos[None, :] <= pos[:, None]), s, float("-inf"))
     tl.store(out_ptrs + j, tl.max(s, axis=1), mask=row_ok & (j < count))
 
@@ -250,17 +250,20 @@ def _score_block(
 def _index_scores_kernel(
     iq_ptr, ik_ptr, out_ptr, first_pos, t_len, tk,
     s_iqt, s_iqh, s_ikt, s_oh, s_ot,
-    DI: tl.constexpr, DIP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr,
-    MAX_BLOCKS: tl.constexpr, DYNAMIC: tl.constexpr, PREC: tl.constexpr,
+    KH: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+    BT: tl.constexpr, RP: tl.constexpr, MAX_BLOCKS: tl.constexpr, DYNAMIC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
+    """BT queries x every index head (BT x KH rows, padded to RP), so that each key block is
+    loaded once for all heads."""
     tile = tl.program_id(0)
-    h = tl.program_id(1)
-    t = tile * BT + tl.arange(0, BT)
-    row_ok = t < t_len
+    rows = tl.arange(0, RP)
+    t = tile * BT + rows // KH
+    h = rows % KH
+    row_ok = (rows < BT * KH) & (t < t_len)
     pos = first_pos + t
     offs_d = tl.arange(0, DIP)
     iq = tl.load(
-        iq_ptr + t[:, None] * s_iqt + h * s_iqh + offs_d[None, :],
+        iq_ptr + t[:, None] * s_iqt + h[:, None] * s_iqh + offs_d[None, :],
         mask=row_ok[:, None] & (offs_d[None, :] < DI),
         other=0.0,
     )
@@ -274,23 +277,34 @@ def _index_scores_kernel(
             _score_block(j, count, iq, ik_ptr, s_ikt, tk, pos, out_ptrs, row_ok, offs_d, DI, S, SP, PREC)
 
 
-def index_block_scores(iq: torch.Tensor, ik: torch.Tensor, first_pos: int, block_size: int) -> torch.Tensor:
+SCORES_CONFIG = (128, 4, 2)  # (rows: queries x index heads, warps, stages) of a program
+
+
+def index_block_scores(
+    iq: torch.Tensor,
+    ik: torch.Tensor,
+    first_pos: int,
+    block_size: int,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
     """`msa.index_block_scores_ref` for consecutive query positions from `first_pos`: [K, T, N] fp32.
 
-    iq [T, K, Di], ik [Tk, Di]; blocks a query cannot see score -inf.
+    iq [T, K, Di], ik [Tk, Di]; blocks a query cannot see score -inf. `config`: (rows of a
+    program, as queries x index heads; warps; stages), default `SCORES_CONFIG`.
     """
     t_len, n_kv, di = iq.shape
     tk = ik.shape[0]
     n_blocks = triton.cdiv(tk, block_size)
     out = torch.full((n_kv, t_len, n_blocks), float("-inf"), device=iq.device, dtype=torch.float32)
     iq, ik = iq.contiguous(), ik.contiguous()
-    bt = 64
-    _index_scores_kernel[(triton.cdiv(t_len, bt), n_kv)](
+    rows, warps, stages = config or SCORES_CONFIG
+    bt = max(1, rows // n_kv)
+    _index_scores_kernel[(triton.cdiv(t_len, bt),)](
         iq, ik, out, first_pos, t_len, tk, iq.stride(0), iq.stride(1), ik.stride(0), out.stride(0), out.stride(1),
-        DI=di, DIP=max(16, triton.next_power_of_2(di)), S=block_size, SP=max(16, triton.next_power_of_2(block_size)),
-        BT=bt, MAX_BLOCKS=triton.cdiv(first_pos + t_len, block_size) if interpreted() else 1,  # as MAX_ITERS
-        DYNAMIC=not interpreted(),
-        PREC=precision(iq), num_warps=4, num_stages=2,
+        KH=n_kv, DI=di, DIP=max(16, triton.next_power_of_2(di)), S=block_size,
+        SP=max(16, triton.next_power_of_2(block_size)), BT=bt, RP=max(16, triton.next_power_of_2(bt * n_kv)),
+        MAX_BLOCKS=triton.cdiv(first_pos + t_len, block_size) if interpreted() else 1,  # as MAX_ITERS
+        DYNAMIC=not interpreted(), PREC=precision(iq), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
