@@ -387,10 +387,11 @@ def test_prefill_kernel_matches_reference(dtype, h, k, d, s, topk, tk, t):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_index_scores_and_selection_match_reference(dtype):
-    from m3lm.kernels.msa import msa_select_ref
+    from m3lm.kernels.msa import select_blocks_ref
     from m3lm.kernels.msa_prefill_triton import index_block_scores, msa_select
 
     gen = torch.Generator(device="cpu").manual_seed(3)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
     for t, tk, k, first in [(3000, 3000, 4, 0), (700, 5000, 4, 4300), (300, 300, 3, 0)]:
         iq = torch.randn(t, k, 128, generator=gen).to(DEV, dtype)
         ik = torch.randn(tk, 128, generator=gen).to(DEV, dtype)
@@ -398,13 +399,17 @@ def test_prefill_index_scores_and_selection_match_reference(dtype):
         got = index_block_scores(iq, ik, first, 128)
         want = index_block_scores_ref(iq.float(), ik.float(), pos, 128)
         assert torch.equal(got.isinf(), want.isinf())
-        assert rel(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0)) < 1e-5
+        assert rel(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0)) < tol
         # Other program shapes (rows as queries x heads, warps, stages): the same values bit for bit.
         for config in [(64, 4, 2), (256, 8, 3), (16, 4, 2)]:
             assert torch.equal(index_block_scores(iq, ik, first, 128, config), got)
-        if dtype == torch.float32:  # no near-ties from rounding: the same blocks as the reference
-            sel = msa_select(iq, ik, pos, 128, 16, 1, 0, first)
-            assert torch.equal(sel.long(), msa_select_ref(iq, ik, pos, 128, 16, 1, 0))
+        # The selection from those scores, as the reference selects from them (None: every query
+        # sees at most 16 blocks, so attention is exactly dense).
+        sel = msa_select(iq, ik, pos, 128, 16, 1, 0, first)
+        if sel is None:
+            assert first + t <= 16 * 128
+        else:
+            assert torch.equal(sel.long(), select_blocks_ref(got, pos, 128, 16, 1, 0))
 
 
 def test_query_groups_and_tile_unions_match_reference():
