@@ -14,14 +14,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _store_norm(y_ptr, row, x, w_ptr, offs, mask, n, eps):
+    """y[row] = x * rsqrt(mean(x^2) + eps) * (1 + w) of one fp32 row x [BLOCK] (n used), cast to y's dtype."""
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    tl.store(y_ptr + row * n + offs, (x * inv * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-    tl.store(y_ptr + row * n + offs, (x * inv * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
+    _store_norm(y_ptr, row, x, w_ptr, offs, mask, n, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,9 +47,7 @@ def _embed_rms_norm_kernel(ids_ptr, table_ptr, w_ptr, h_ptr, y_ptr, n, eps, BLOC
     e = tl.load(table_ptr + tl.load(ids_ptr + row).to(tl.int64) * n + offs, mask=mask, other=0.0)
     tl.store(h_ptr + row * n + offs, e, mask=mask)
     x = e.to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-    tl.store(y_ptr + row * n + offs, (x * inv * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
+    _store_norm(y_ptr, row, x, w_ptr, offs, mask, n, eps)
 
 
 def embed_rms_norm(
@@ -68,9 +72,7 @@ def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.co
     s = (h + d).to(s_ptr.dtype.element_ty)  # the residual sum, rounded as `h + d` rounds it
     tl.store(s_ptr + row * n + offs, s, mask=mask)
     x = s.to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-    tl.store(y_ptr + row * n + offs, (x * inv * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
+    _store_norm(y_ptr, row, x, w_ptr, offs, mask, n, eps)
 
 
 def add_rms_norm(
