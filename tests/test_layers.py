@@ -81,6 +81,13 @@ def test_packed_rows_share_storage_with_the_layers(kind):
     assert torch.equal(again[0][24:64].float(), torch.ones(40, 64))
     assert packed_rows(layers[0], torch.nn.Linear(32, 8, bias=False)) is None
     assert packed_rows(layers[0]) is None
+    # A parameter replaced by a new tensor (a reload with assign=True, say) is packed anew.
+    new = getattr(layers[2], names[0]).detach().clone()
+    setattr(layers[2], names[0], torch.nn.Parameter(new, requires_grad=False))
+    fresh = packed_rows(*layers)
+    assert fresh[0].data_ptr() != packed[0].data_ptr()
+    assert torch.equal(fresh[0][64:].float(), new.float())
+    assert getattr(layers[2], names[0]).data_ptr() == fresh[0][64:].data_ptr()
 
 
 def test_swiglu_oai_closed_form():
