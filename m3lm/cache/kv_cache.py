@@ -61,10 +61,16 @@ class KVCache:
     def read_index(self, layer: int, table, total: int, dtype: torch.dtype) -> torch.Tensor:
         """A sequence's index keys [total, Di] from its pages `table` (a page list, or a slice of
         consecutive pages: then a view), dequantised to `dtype`."""
-        keys = self.ik[layer][table].flatten(0, 1)[:total]
+        keys = rows(self.ik[layer], table, total)
         if layer in self.ik_scale:
-            return dequant_rows_fp8(keys, self.ik_scale[layer][table].flatten(0, 1)[:total], dtype)
+            return dequant_rows_fp8(keys, rows(self.ik_scale[layer], table, total), dtype)
         return keys
+
+
+def rows(pool: torch.Tensor, table, total: int) -> torch.Tensor:
+    """Positions 0..total-1 of a sequence from pool [P, S, ...] and its pages `table` (a page
+    list: gathered; or a slice of consecutive pages: a view) -> [total, ...]."""
+    return pool[table].flatten(0, 1)[:total]
 
 
 def put(pool: torch.Tensor, at, new: torch.Tensor) -> None:
@@ -128,7 +134,7 @@ class PagedKV:
 
     def _append(self, pool: torch.Tensor, seq: int, new: torch.Tensor) -> torch.Tensor:
         put(pool, self._at(seq), new.to(pool.dtype))
-        return pool[self._table(seq)].flatten(0, 1)[: self._seqs[seq][1]]
+        return rows(pool, self._table(seq), self._seqs[seq][1])
 
     def update(
         self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor

@@ -22,6 +22,13 @@ def _store_norm(y_ptr, row, x, w_ptr, offs, mask, n, eps):
 
 
 @triton.jit
+def _store_row_and_norm(s_ptr, y_ptr, row, v, w_ptr, offs, mask, n, eps):
+    """s[row] = v (a row in s's dtype), y[row] = its norm (`_store_norm`)."""
+    tl.store(s_ptr + row * n + offs, v, mask=mask)
+    _store_norm(y_ptr, row, v.to(tl.float32), w_ptr, offs, mask, n, eps)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -45,9 +52,7 @@ def _embed_rms_norm_kernel(ids_ptr, table_ptr, w_ptr, h_ptr, y_ptr, n, eps, BLOC
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     e = tl.load(table_ptr + tl.load(ids_ptr + row).to(tl.int64) * n + offs, mask=mask, other=0.0)
-    tl.store(h_ptr + row * n + offs, e, mask=mask)
-    x = e.to(tl.float32)
-    _store_norm(y_ptr, row, x, w_ptr, offs, mask, n, eps)
+    _store_row_and_norm(h_ptr, y_ptr, row, e, w_ptr, offs, mask, n, eps)
 
 
 def embed_rms_norm(
@@ -70,9 +75,7 @@ def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.co
     h = tl.load(h_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
     d = tl.load(d_ptr + row * n + offs, mask=mask, other=0.0).to(tl.float32)
     s = (h + d).to(s_ptr.dtype.element_ty)  # the residual sum, rounded as `h + d` rounds it
-    tl.store(s_ptr + row * n + offs, s, mask=mask)
-    x = s.to(tl.float32)
-    _store_norm(y_ptr, row, x, w_ptr, offs, mask, n, eps)
+    _store_row_and_norm(s_ptr, y_ptr, row, s, w_ptr, offs, mask, n, eps)
 
 
 def add_rms_norm(

@@ -3,14 +3,15 @@
 One program takes BQ queries of one KV group (BQ x G rows: every query head of the group, about
 64 rows; queries whose selections overlap, `msa_tiles.group_queries`) and walks only the union of
 the key blocks its queries selected, listed ahead of time per tile (`msa_tiles.tile_blocks`:
-sorted, deduplicated, with a bit per query and union slot), BN keys a step (64: half a block, so that two programs share an SM and one's softmax
-runs under the other's matrix products). Rows whose query did not select a block, and keys in a
-query's future, are masked; the last block's steps past the tile's last query are skipped.
-Softmax is online in fp32, as in flash attention, so nothing of size [T, Tk] exists. Adjacent
-queries of a trained model select mostly the same blocks, so the union stays close to k blocks
-and the work close to the exact sparse product. Without a selection every visible block is taken: plain causal
-flash attention. On Hopper GPUs each step's K and V rows come by tensor-memory (TMA) copies
-(`tma_ok`), which spares the registers and instructions of per-thread loads.
+sorted, deduplicated, with a bit per query and union slot), BN keys a step (64: half a block, so
+that two programs share an SM and one's softmax runs under the other's matrix products). Rows
+whose query did not select a block, and keys in a query's future, are masked; the last block's
+steps past the tile's last query are skipped. Softmax is online in fp32, as in flash attention,
+so nothing of size [T, Tk] exists. Adjacent queries of a trained model select mostly the same
+blocks, so the union stays close to k blocks and the work close to the exact sparse product.
+Without a selection every visible block is taken: plain causal flash attention. On Hopper GPUs
+each step's K and V rows come by tensor-memory (TMA) copies (`tma_ok`), which spares the
+registers and instructions of per-thread loads.
 
 Shapes: T queries at consecutive positions q_pos, Tk keys at positions 0..Tk-1, H = K x G query
 heads, D head dim, S block size, k selected blocks per query and group, NT = ceil(T / BQ) tiles,
