@@ -108,6 +108,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     MAX_LOGPROBS = 20
+    SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as the OpenAI API takes it
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> None:
@@ -137,6 +138,9 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, {self.MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        lo, hi = self.SEED_RANGE
+        if self.seed is not None and (not isinstance(self.seed, int) or not lo <= self.seed <= hi):
+            bad("seed", "must be a signed 64-bit integer")
 
     @property
     def greedy(self) -> bool:

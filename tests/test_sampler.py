@@ -126,6 +126,15 @@ def test_seeded_rows_reproducible_and_independent_of_batch():
     assert len({step[0] for step in alone}) > 1  # the generator advances between steps
 
 
+def test_seed_is_a_signed_64_bit_integer():
+    lo, hi = SamplingParams.SEED_RANGE
+    for seed in (lo, -1, 0, hi):  # every accepted seed makes a generator
+        assert make_generator(SamplingParams(seed=seed).seed, "cpu") is not None
+    for seed in (lo - 1, hi + 1, 2**64):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)
+
+
 def test_sampling_follows_softmax():
     logits = torch.tensor([1.0, 0.0, -0.5, 2.0, -INF, -3.0])
     n = 40_000

@@ -161,6 +161,8 @@ def test_n_and_seed(client):
         {"model": NAME, "messages": MSG, "top_logprobs": 99, "logprobs": True},
         {"model": NAME, "messages": MSG, "stop": ["x"] * 100},
         {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]},
+        {"model": NAME, "messages": MSG, "seed": -(2**63) - 1},
+        {"model": NAME, "messages": MSG, "seed": 2**63},
     ],
 )
 def test_bad_requests_get_400_with_an_error_object(live, body):

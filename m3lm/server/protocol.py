@@ -73,7 +73,7 @@ class _Request(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SamplingParams.SEED_RANGE[0], le=SamplingParams.SEED_RANGE[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
