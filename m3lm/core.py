@@ -108,7 +108,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     MAX_LOGPROBS = 20
-    SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as the OpenAI API takes it
+    INT64_RANGE = (-(2**63), 2**63 - 1)  # seed and top_k: signed 64-bit integers, as the sampler holds them
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> None:
@@ -124,8 +124,9 @@ class SamplingParams:
             bad("temperature", "must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int):
-            bad("top_k", "must be an integer (<= 0 disables it)")
+        lo, hi = self.INT64_RANGE
+        if not isinstance(self.top_k, int) or not lo <= self.top_k <= hi:
+            bad("top_k", "must be a signed 64-bit integer (<= 0 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
         if not 0.0 < self.repetition_penalty <= 10.0:
@@ -138,7 +139,6 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, {self.MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
-        lo, hi = self.SEED_RANGE
         if self.seed is not None and (not isinstance(self.seed, int) or not lo <= self.seed <= hi):
             bad("seed", "must be a signed 64-bit integer")
 

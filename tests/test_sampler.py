@@ -126,13 +126,17 @@ def test_seeded_rows_reproducible_and_independent_of_batch():
     assert len({step[0] for step in alone}) > 1  # the generator advances between steps
 
 
-def test_seed_is_a_signed_64_bit_integer():
-    lo, hi = SamplingParams.SEED_RANGE
+def test_seed_and_top_k_are_signed_64_bit_integers():
+    lo, hi = SamplingParams.INT64_RANGE
     for seed in (lo, -1, 0, hi):  # every accepted seed makes a generator
         assert make_generator(SamplingParams(seed=seed).seed, "cpu") is not None
-    for seed in (lo - 1, hi + 1, 2**64):
-        with pytest.raises(ValueError, match="seed"):
-            SamplingParams(seed=seed)
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
+    wide = [SamplingParams(top_k=hi), SamplingParams(top_k=lo)]  # every accepted top_k samples
+    assert Sampler()(logits, wide, [[1], [2]], [[], []], [None, None]).token_ids.shape == (2,)
+    for name in ("seed", "top_k"):
+        for value in (lo - 1, hi + 1, 2**64):
+            with pytest.raises(ValueError, match=name):
+                SamplingParams(**{name: value})
 
 
 def test_sampling_follows_softmax():

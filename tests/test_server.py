@@ -163,6 +163,7 @@ def test_n_and_seed(client):
         {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]},
         {"model": NAME, "messages": MSG, "seed": -(2**63) - 1},
         {"model": NAME, "messages": MSG, "seed": 2**63},
+        {"model": NAME, "messages": MSG, "top_k": 2**63},
     ],
 )
 def test_bad_requests_get_400_with_an_error_object(live, body):

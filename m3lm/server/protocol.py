@@ -68,12 +68,12 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=SamplingParams.INT64_RANGE[0], le=SamplingParams.INT64_RANGE[1])
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    seed: int | None = Field(None, ge=SamplingParams.SEED_RANGE[0], le=SamplingParams.SEED_RANGE[1])
+    seed: int | None = Field(None, ge=SamplingParams.INT64_RANGE[0], le=SamplingParams.INT64_RANGE[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
