@@ -113,17 +113,15 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny):
 def test_msa_dense_window_does_what_it_says(tiny):
     """F = 2 keeps a sparse layer dense for t < 2 * topk * S (24 here) and exact MSA beyond."""
     from m3lm.core import ForwardBatch
-    from m3lm.layers.rotary import rope_cos_sin
 
     attn = tiny.model.layers[1].self_attn
     assert attn.sparse
     t = 40
     x = torch.randn(t, tiny.args.hidden_size, generator=torch.Generator().manual_seed(0))
-    cos, sin = rope_cos_sin(torch.arange(t), tiny.args.rotary_dim, tiny.args.rope_theta)
 
     def run(f):
         with torch.inference_mode():
-            return attn(x, ForwardBatch(torch.arange(t), [t], msa_dense_window=f), cos, sin)
+            return attn(x, ForwardBatch(torch.arange(t), [t], msa_dense_window=f))
 
     exact, dense, window = run(None), run(1e9), 2 * 3 * 4
     approx = run(2.0)

@@ -127,19 +127,11 @@ class Attention(nn.Module):
         ik = norm_rope(outs[4].view(t, 1, -1), norms[3], eps, cos, sin)[:, 0]
         return q, k, v, iq, ik
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        cos: torch.Tensor | None = None,
-        sin: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """x [T, C] -> [T, C]. cos, sin: the RoPE table of batch.positions, by default the
-        batch's own (`ForwardBatch.rope`), made after the projections are queued."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, C] -> [T, C]. RoPE comes from the batch's table (`ForwardBatch.rope`), made
+        after the projections are queued."""
         outs = self._products(x)[1]
-        if cos is None:
-            cos, sin = batch.rope(*self.rotary)
-        q, k, v, iq, ik = self._heads(outs, cos, sin)
+        q, k, v, iq, ik = self._heads(outs, *batch.rope(*self.rotary))
         outs, start = [], 0
         for seq, n in enumerate(batch.q_lens):
             rows = slice(start, start + n)
