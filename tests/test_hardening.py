@@ -225,7 +225,10 @@ def test_detokenizer_fault_stops_only_its_request(live):
 
         async def both():
             async with httpx.AsyncClient(base_url=live.url, timeout=60) as c:
-                bad = c.post("/v1/completions", json={"prompt": [8, 8, 3], "max_tokens": 5})
+                # ignore_eos: a sampled EOS would end the request before its detokenizer runs
+                bad = c.post(
+                    "/v1/completions", json={"prompt": [8, 8, 3], "max_tokens": 5, "ignore_eos": True}
+                )
                 good = c.post(
                     "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 5, "ignore_eos": True}
                 )
