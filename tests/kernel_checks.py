@@ -107,6 +107,8 @@ def prefill_selection():
         got, want = index_block_scores(iq, ik, tk - t_len, s), index_block_scores_ref(iq, ik, pos, s)
         assert torch.equal(got.isinf(), want.isinf())
         close(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0))
+        for config in [(128, 4, 2, 1), (128, 4, 2, 5)]:  # key blocks a program: each block's max is its own
+            assert torch.equal(index_block_scores(iq, ik, tk - t_len, s, config), got)
         got, want = msa_select(iq, ik, pos, s, topk, 1, 0), msa_select_ref(iq, ik, pos, s, topk, 1, 0)
         assert (got is None and want is None) or torch.equal(got.long(), want)
     # Selection from given scores: ties (to the lower id), forced local and initial blocks, queries

@@ -400,9 +400,10 @@ def test_prefill_index_scores_and_selection_match_reference(dtype):
         want = index_block_scores_ref(iq.float(), ik.float(), pos, 128)
         assert torch.equal(got.isinf(), want.isinf())
         assert rel(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0)) < tol
-        # Other program shapes (rows as queries x heads, warps, stages; the largest holds 16-bit
-        # tiles only): the same values bit for bit.
-        for config in [(64, 4, 2), (16, 4, 2)] + ([(256, 8, 3)] if dtype != torch.float32 else []):
+        # Other program shapes (rows as queries x heads, warps, stages, key blocks: one, a few,
+        # all of them; the largest rows hold 16-bit tiles only): the same values bit for bit.
+        configs = [(64, 4, 2, 16), (16, 4, 2, 3), (128, 4, 2, 1), (128, 4, 2, 1 << 20)]
+        for config in configs + ([(256, 8, 3, 16)] if dtype != torch.float32 else []):
             assert torch.equal(index_block_scores(iq, ik, first, 128, config), got)
         # The selection from those scores, as the reference selects from them (None: every query
         # sees at most 16 blocks, so attention is exactly dense).

@@ -252,33 +252,40 @@ def _index_scores_kernel(
     iq_ptr, ik_ptr, out_ptr, first_pos, t_len, tk,
     s_iqt, s_iqh, s_ikt, s_oh, s_ot,
     KH: tl.constexpr, DI: tl.constexpr, DIP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-    BT: tl.constexpr, RP: tl.constexpr, MAX_BLOCKS: tl.constexpr, DYNAMIC: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, RP: tl.constexpr, CHUNK: tl.constexpr, DYNAMIC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """BT queries x every index head (BT x KH rows, padded to RP), so that each key block is
-    loaded once for all heads."""
+    """BT queries x every index head (BT x KH rows, padded to RP) against key blocks CHUNK * c ..
+    CHUNK * (c + 1) - 1, c = program_id(1): each key block loaded once for all heads, and no
+    program walks more than CHUNK blocks (each block's score is its own max, so the chunks need
+    no merging, and the last queries' long rows do not set the kernel's time)."""
     tile = tl.program_id(0)
-    rows = tl.arange(0, RP)
-    t = tile * BT + rows // KH
-    h = rows % KH
-    row_ok = (rows < BT * KH) & (t < t_len)
-    pos = first_pos + t
-    offs_d = tl.arange(0, DIP)
-    iq = tl.load(
-        iq_ptr + t[:, None] * s_iqt + h[:, None] * s_iqh + offs_d[None, :],
-        mask=row_ok[:, None] & (offs_d[None, :] < DI),
-        other=0.0,
-    )
-    count = tl.minimum(first_pos + tile * BT + BT - 1, first_pos + t_len - 1) // S + 1
-    out_ptrs = out_ptr + h * s_oh + t * s_ot
-    if DYNAMIC:  # as in _prefill_kernel: a constant bound in the interpreter
-        for j in range(0, count):
-            _score_block(j, count, iq, ik_ptr, s_ikt, tk, pos, out_ptrs, row_ok, offs_d, DI, S, SP, PREC)
-    else:
-        for j in range(0, MAX_BLOCKS):
-            _score_block(j, count, iq, ik_ptr, s_ikt, tk, pos, out_ptrs, row_ok, offs_d, DI, S, SP, PREC)
+    first = tl.program_id(1) * CHUNK
+    count = tl.minimum(first_pos + tile * BT + BT - 1, first_pos + t_len - 1) // S + 1  # blocks seen
+    if first < count:
+        rows = tl.arange(0, RP)
+        t = tile * BT + rows // KH
+        h = rows % KH
+        row_ok = (rows < BT * KH) & (t < t_len)
+        pos = first_pos + t
+        offs_d = tl.arange(0, DIP)
+        iq = tl.load(
+            iq_ptr + t[:, None] * s_iqt + h[:, None] * s_iqh + offs_d[None, :],
+            mask=row_ok[:, None] & (offs_d[None, :] < DI),
+            other=0.0,
+        )
+        out_ptrs = out_ptr + h * s_oh + t * s_ot
+        if DYNAMIC:  # as in _prefill_kernel: a constant bound in the interpreter
+            for j in range(first, tl.minimum(count, first + CHUNK)):
+                _score_block(j, count, iq, ik_ptr, s_ikt, tk, pos, out_ptrs, row_ok, offs_d, DI, S, SP, PREC)
+        else:
+            for jj in range(0, CHUNK):
+                _score_block(
+                    first + jj, count, iq, ik_ptr, s_ikt, tk, pos, out_ptrs, row_ok, offs_d, DI, S, SP, PREC
+                )
 
 
-SCORES_CONFIG = (128, 4, 2)  # (rows: queries x index heads, warps, stages) of a program
+# (rows: queries x index heads, warps, stages, key blocks) of a program
+SCORES_CONFIG = (128, 4, 2, 16)
 
 
 def index_block_scores(
@@ -286,26 +293,26 @@ def index_block_scores(
     ik: torch.Tensor,
     first_pos: int,
     block_size: int,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """`msa.index_block_scores_ref` for consecutive query positions from `first_pos`: [K, T, N] fp32.
 
     iq [T, K, Di], ik [Tk, Di]; blocks a query cannot see score -inf. `config`: (rows of a
-    program, as queries x index heads; warps; stages), default `SCORES_CONFIG`.
+    program, as queries x index heads; warps; stages; key blocks a program scores at most),
+    default `SCORES_CONFIG`.
     """
     t_len, n_kv, di = iq.shape
     tk = ik.shape[0]
     n_blocks = triton.cdiv(tk, block_size)
     out = torch.full((n_kv, t_len, n_blocks), float("-inf"), device=iq.device, dtype=torch.float32)
     iq, ik = iq.contiguous(), ik.contiguous()
-    rows, warps, stages = config or SCORES_CONFIG
+    rows, warps, stages, chunk = config or SCORES_CONFIG
     bt = max(1, rows // n_kv)
-    _index_scores_kernel[(triton.cdiv(t_len, bt),)](
+    _index_scores_kernel[(triton.cdiv(t_len, bt), triton.cdiv(n_blocks, chunk))](
         iq, ik, out, first_pos, t_len, tk, iq.stride(0), iq.stride(1), ik.stride(0), out.stride(0), out.stride(1),
         KH=n_kv, DI=di, DIP=max(16, triton.next_power_of_2(di)), S=block_size,
         SP=max(16, triton.next_power_of_2(block_size)), BT=bt, RP=max(16, triton.next_power_of_2(bt * n_kv)),
-        MAX_BLOCKS=triton.cdiv(first_pos + t_len, block_size) if interpreted() else 1,  # as MAX_ITERS
-        DYNAMIC=not interpreted(), PREC=precision(iq), num_warps=warps, num_stages=stages,
+        CHUNK=chunk, DYNAMIC=not interpreted(), PREC=precision(iq), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
