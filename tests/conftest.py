@@ -5,6 +5,16 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+try:  # property tests draw the same examples every run, so a run's result does not depend on the
+    # draw; HYPOTHESIS_PROFILE=explore draws new ones (a longer search)
+    from hypothesis import settings
+
+    settings.register_profile("m3lm", derandomize=True)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "m3lm"))
+except ImportError:
+    pass
 FIXTURES = Path(os.environ.get("M3LM_FIXTURES", REPO.parent / "shared" / "fixtures"))
 
 

@@ -1,8 +1,8 @@
 """Schemathesis over the server's own OpenAPI schema: no 5xx, responses as documented.
 
-The suite runs the same 20 examples an operation each time (derandomized), so that its result
-does not depend on the draw. A longer random search: M3LM_FUZZ_EXAMPLES=3000 pytest
-tests/test_schema_fuzz.py.
+The suite draws the same 20 examples an operation every run (conftest's hypothesis profile), so
+that its result does not depend on the draw. A longer random search:
+HYPOTHESIS_PROFILE=explore M3LM_FUZZ_EXAMPLES=3000 pytest tests/test_schema_fuzz.py
 """
 
 import os
@@ -47,7 +47,6 @@ EXAMPLES = int(os.environ.get("M3LM_FUZZ_EXAMPLES", "0"))
 @schema.parametrize()
 @settings(
     max_examples=EXAMPLES or 20,
-    derandomize=not EXAMPLES,
     deadline=None,
     suppress_health_check=list(HealthCheck),
 )
