@@ -355,6 +355,9 @@ class EngineConfig:
     covers at least 1/F of the context (t < F * topk * block_size); off (exact MSA) by default.
     `index_cache_fp8` stores the MSA index keys as e4m3 with one fp32 scale per token (about half
     the bytes); it rounds the index scores, so it may change block selections: off by default.
+    `prefix_caching`: a new prompt starts on the cache pages that already hold its longest prefix
+    of whole pages (`BlockManager.match`); pages of finished requests stay cached until their
+    room is needed.
     """
 
     max_num_seqs: int = 64
@@ -365,6 +368,7 @@ class EngineConfig:
     msa_dense_window: float | None = None
     cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs
     index_cache_fp8: bool = False
+    prefix_caching: bool = True  # a prompt starts on the cached pages of its longest known prefix
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_tokens"):

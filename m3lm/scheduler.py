@@ -6,7 +6,9 @@ Pure Python over `BlockManager`, so every policy is testable on the CPU:
   budget (`max_num_batched_tokens`) and `max_num_seqs` allow, so long prompts are prefilled in
   chunks and never stall running decodes;
 - when pages run out, the newest running sequence is preempted: its pages are freed and it
-  goes back to the front of the queue to be recomputed later, instead of failing.
+  goes back to the front of the queue to be recomputed later, instead of failing;
+- a sequence admitted from the queue starts on the cached pages of its longest prefix
+  (`BlockManager.match`), so only the rest of its prompt is computed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prompt_tokens = 0  # prompt positions of admitted requests, since start
+        self.prefix_cached_tokens = 0  # of those, positions found in the prefix cache
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -52,9 +56,17 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self.blocks.table(seq.seq_id):  # new or preempted: start on its cached prefix
+                seq.num_cached = self.blocks.match(seq.seq_id, seq.token_ids)
             n = min(seq.num_tokens - seq.num_cached, budget)
             if not self.blocks.ensure(seq.seq_id, seq.num_cached + n):
+                self.blocks.free(seq.seq_id)  # its prefix pages wait in the cache meanwhile
+                seq.num_cached = 0
                 break
+            if seq.first_scheduled_time is None:  # first admission
+                seq.num_prefix_cached = seq.num_cached
+                self.prompt_tokens += len(seq.prompt_ids)
+                self.prefix_cached_tokens += seq.num_cached
             self.waiting.popleft()
             seq.first_scheduled_time = seq.first_scheduled_time or time.perf_counter()
             seq.status = SeqStatus.RUNNING
@@ -74,11 +86,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence wherever it is (running, waiting) and free its pages at once."""
+        """End a sequence wherever it is (running, waiting) and free its pages at once (an
+        error's pages are not kept for later prefixes)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq.seq_id)
+        self.blocks.free(seq.seq_id, keep=reason != "error")
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason

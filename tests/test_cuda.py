@@ -319,6 +319,33 @@ def test_engine_graph_batches_match_cpu(tiny_path):
     )  # decode steps went through graphs
 
 
+def test_engine_prefix_cache_on_gpu_matches_cpu(tiny_path):
+    """Prompts that start on cached pages (shared, not consecutive) give the CPU's tokens."""
+    cpu, _ = m3lm.load(tiny_path, device="cpu", dtype="float32")
+    gpu, _ = m3lm.load(tiny_path, device=DEV, dtype="float32")
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(0, 96, (45,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, 96, (n,), generator=gen).tolist() for n in (6, 2, 20)] + [
+        shared[:30]
+    ]
+    params = m3lm.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = LLMEngine(cpu, None, EngineConfig(max_num_seqs=8, max_model_len=128, prefix_caching=False))
+    want = [ref.add_request(p, params).output_ids for p in prompts]
+    while ref.has_unfinished():
+        ref.step()
+    engine = LLMEngine(gpu, None, EngineConfig(max_num_seqs=8, max_model_len=128))
+    got, cached = [], []
+    for p in prompts:  # one after another: each starts on the pages the earlier ones left
+        seq = engine.add_request(p, params)
+        while engine.has_unfinished():
+            engine.step()
+        got.append(seq.output_ids)
+        cached.append(seq.num_prefix_cached)
+    assert got == want
+    assert cached[0] == 0 and min(cached[1:]) > 0
+    engine.blocks.check()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_elementwise_kernels_match_reference(dtype):
     from m3lm.kernels import fused

@@ -228,3 +228,42 @@ def test_sampling_defaults_come_from_generation_config(fixture_model):
     a = m3lm.generate(model, tok, "Once", max_tokens=12, seed=7, ignore_eos=True)
     b = m3lm.generate(model, tok, "Once", max_tokens=12, seed=7, ignore_eos=True)
     assert a.token_ids == b.token_ids and a.text == b.text
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_prefix_cache_gives_the_same_tokens_and_skips_the_shared_prompt(tiny):
+    page = tiny.args.index_block_size
+    shared = prompt(30, seed=5)
+    prompts = [shared + prompt(7, seed=6), shared + prompt(3, seed=7), shared[:13], shared, prompt(9, seed=8)]
+    params = m3lm.SamplingParams(max_tokens=6, **GREEDY)
+    want = run_engine(tiny, prompts, params, prefix_caching=False)
+    engine = LLMEngine(tiny, None, EngineConfig())
+    computed: dict[str, int] = {}
+    real_run = engine.runner.run
+
+    def run(plan, tables):
+        for seq, n in plan:
+            computed[seq.request_id] = computed.get(seq.request_id, 0) + n
+        return real_run(plan, tables)
+
+    engine.runner.run = run
+    earlier: list[list[int]] = []  # what earlier requests left in the cache: all but their last token
+    total = 0
+    for i, p in enumerate(prompts):  # one after another, so each finds what the earlier ones left
+        seq = engine.add_request(p, params, request_id=str(i))
+        while engine.has_unfinished():
+            engine.step()
+        common = max((common_prefix(p, e) for e in earlier), default=0)
+        assert seq.num_prefix_cached == min(common, len(p) - 1) // page * page
+        total += seq.num_prefix_cached
+        assert computed[str(i)] == len(p) - seq.num_prefix_cached + len(seq.output_ids) - 1
+        assert seq.output_ids == want[str(i)]
+        earlier.append(seq.token_ids[:-1])
+        engine.blocks.check()
+    assert engine.scheduler.prefix_cached_tokens == total > 0 and engine.blocks.num_idle > 0

@@ -130,3 +130,128 @@ def test_random_load_invariants(seed):
         pytest.fail("requests starved")
     assert all(s.finished for s in seqs)
     assert bm.num_free == pages
+
+
+def test_prefix_pages_are_shared_named_and_kept_until_needed():
+    bm = BlockManager(num_pages=8, page_size=4)
+    a = list(range(1, 11))  # 10 tokens: 2 full pages and a partial one
+    assert bm.match(0, a) == 0 and bm.ensure(0, 10)
+    bm.seal(0, 10, lambda s, e: a[s:e])
+    b = [*a[:8], 99, 98]  # the same two full pages, then its own tokens
+    assert bm.match(1, b) == 8 and bm.table(1) == bm.table(0)[:2]
+    assert bm.ensure(1, 10) and bm.table(1)[2] != bm.table(0)[2]
+    bm.check()
+    bm.free(0)  # a's partial page is free again; its full pages are still b's
+    assert bm.num_free == 8 - 3 and bm.num_idle == 0
+    bm.free(1)
+    assert bm.num_free == 8 and bm.num_idle == 2  # b's own last page had no name
+    bm.check()
+    c = [*a[:4], 5, 6, 7, 9, 1]  # the first page only
+    assert bm.match(2, c) == 4 and bm.num_idle == 1
+    bm.free(2)
+    assert bm.ensure(3, 7 * 4)  # takes the 6 free pages, then the older idle page: the tail first
+    assert bm.num_idle == 1 and bm.match(4, a) == 4
+    bm.free(4)
+    assert bm.ensure(5, 4) and bm.num_idle == 0 and bm.match(6, a) == 0
+    bm.check()
+
+
+def test_room_is_taken_from_a_cached_prefix_tail_first():
+    bm = BlockManager(num_pages=3, page_size=2)
+    a = [1, 2, 3, 4, 5]
+    bm.match(0, a)
+    bm.ensure(0, 5)
+    bm.seal(0, 5, lambda s, e: a[s:e])
+    bm.free(0)
+    assert bm.num_free == 3 and bm.num_idle == 2
+    assert bm.ensure(1, 4) and bm.num_idle == 1  # the free page and one cached page
+    assert bm.match(2, a) == 2  # the one taken was the tail: the head is still found
+    bm.check()
+
+
+def test_a_prompt_found_whole_recomputes_its_last_page():
+    bm = BlockManager(num_pages=8, page_size=4)
+    a = list(range(8))
+    bm.match(0, a)
+    bm.ensure(0, 9)
+    bm.seal(0, 9, lambda s, e: ([*a, 50])[s:e])
+    assert bm.match(1, a) == 4  # the last token's logits are needed: its page is not shared
+    assert bm.match(2, [*a, 50]) == 8
+    assert bm.match(3, a[:5]) == 4 and bm.match(4, a[:4]) == 0
+    bm.check()
+
+
+def test_failed_sequences_pages_are_not_kept_and_prefix_caching_can_be_off():
+    bm = BlockManager(num_pages=4, page_size=2)
+    a = [3, 4, 5, 6, 7]
+    bm.match(0, a)
+    bm.ensure(0, 5)
+    bm.seal(0, 5, lambda s, e: a[s:e])
+    bm.free(0, keep=False)
+    assert bm.num_idle == 0 and bm.match(1, a) == 0
+    off = BlockManager(num_pages=4, page_size=2, prefix_caching=False)
+    off.match(0, a)
+    off.ensure(0, 5)
+    off.seal(0, 5, lambda s, e: a[s:e])
+    off.free(0)
+    assert off.num_idle == 0 and off.match(1, a) == 0
+    bm.check()
+    off.check()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_load_with_prefix_caching_reads_only_its_own_tokens(seed):
+    """A shadow of every page's contents: a sequence only ever writes pages it alone holds, and
+    every cached position it starts on holds its own token."""
+    rng = random.Random(seed)
+    pages, page = rng.randint(12, 40), rng.choice([2, 4])
+    budget = rng.randint(4, 32)
+    bm = BlockManager(pages, page)
+    sched = Scheduler(bm, max_num_seqs=rng.randint(1, 5), max_num_batched_tokens=budget)
+    capacity = pages * page
+    stems = [[rng.randint(1, 3) for _ in range(capacity // 2)] for _ in range(3)]
+    seqs = []
+    for i in range(rng.randint(8, 24)):
+        prompt = rng.choice(stems)[: rng.randint(1, capacity // 2)]
+        if rng.random() < 0.5:
+            prompt = prompt + [rng.randint(1, 3) for _ in range(rng.randint(0, page * 2))]
+        prompt = prompt[: capacity // 2]
+        max_tokens = rng.randint(1, capacity - len(prompt))
+        seqs.append(Sequence(i, f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), max_tokens))
+    contents: dict[int, dict[int, int]] = {}  # page -> slot -> token written there
+    live = {}
+    pending = list(seqs)
+    hits = 0
+    for _ in range(20000):
+        if pending and rng.random() < 0.3:
+            s = pending.pop(0)
+            sched.add(s)
+            live[s.seq_id] = s
+        if rng.random() < 0.02 and sched.running:
+            sched.finish(rng.choice(sched.running), rng.choice(["abort", "error"]))
+        plan = sched.schedule()
+        for s, n in plan:
+            table = bm.table(s.seq_id)
+            for p in range(s.num_cached):  # what it starts from is its own
+                assert contents[table[p // page]][p % page] == s.tokens(p, p + 1)[0]
+            for p in range(s.num_cached, s.num_cached + n):  # it writes only pages it alone holds
+                holders = [
+                    o for o in live.values() if not o.finished and table[p // page] in bm.table(o.seq_id)
+                ]
+                assert holders == [s]
+                contents.setdefault(table[p // page], {})[p % page] = s.tokens(p, p + 1)[0]
+        for s, n in plan:
+            s.num_cached += n
+            bm.seal(s.seq_id, s.num_cached, s.tokens)
+            if s.num_cached == s.num_tokens:
+                s.output_ids.append(rng.randint(1, 3))
+                if len(s.output_ids) >= s.max_tokens:
+                    sched.finish(s, "length")
+        hits = max(hits, sched.prefix_cached_tokens)
+        bm.check()
+        if not pending and not sched.has_work():
+            break
+    else:
+        pytest.fail("requests starved")
+    assert all(s.finished for s in seqs) and bm.num_free == pages
+    assert hits > 0  # the shared stems were found in the cache

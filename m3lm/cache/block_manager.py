@@ -1,29 +1,58 @@
-"""Page allocation for the paged caches (pure Python, no tensors).
+"""Page allocation for the paged caches, with prefix caching (pure Python, no tensors).
 
 A page holds `page_size` consecutive positions of one sequence; the page size equals the MSA
 block size, so a block the indexer selects is exactly one page. Each sequence owns a block
 table (its pages in position order); KV and index-key pools share that one table.
+
+Prefix caching: a full page's contents are a function of the tokens at and before its positions
+(positions start at 0 in every sequence, and MSA anchors its blocks to them), so each full page
+is named by a SHA-256 chain over its sequence's tokens, page by page (`seal`). A new sequence
+starts on the pages that already hold its longest named prefix (`match`), shared and never
+written again: a sequence writes only at positions past its cache, and only full pages get
+names. A page whose last owner ends keeps its name and contents while nothing needs the room;
+allocation takes unnamed free pages first, then the least recently released named ones, a
+sequence's tail before its head.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+
+def page_key(parent: bytes, tokens: list[int]) -> bytes:
+    """The name of a full page: SHA-256 of the previous page's name and this page's token ids."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True):
         assert num_pages > 0 and page_size > 0
         self.num_pages, self.page_size = num_pages, page_size
-        self._free: deque[int] = deque(range(num_pages))
+        self.prefix_caching = prefix_caching
+        self._free: deque[int] = deque(range(num_pages))  # pages holding nothing reusable
         self._tables: dict[int, list[int]] = {}
+        self._refs: dict[int, int] = {}  # page -> sequences holding it
+        self._names: dict[int, bytes] = {}  # page -> its name, for full pages whose contents are known
+        self._pages: dict[bytes, int] = {}  # name -> page
+        self._idle: OrderedDict[int, None] = OrderedDict()  # named pages no sequence holds, oldest first
+        self._chains: dict[int, list[bytes]] = {}  # seq -> names of its full pages so far
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a sequence can take now (named pages that no sequence holds included)."""
+        return len(self._free) + len(self._idle)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free
+
+    @property
+    def num_idle(self) -> int:
+        """Named pages kept for later prefixes that no sequence holds."""
+        return len(self._idle)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -35,21 +64,90 @@ class BlockManager:
         """Pages `seq_id` still needs to hold `tokens` positions."""
         return max(0, self.pages_for(tokens) - len(self.table(seq_id)))
 
+    def match(self, seq_id: int, tokens: list[int]) -> int:
+        """Start a sequence that holds no pages on the cached pages of its longest prefix; returns
+        the positions they hold. At least the last token is left to compute (its logits are
+        needed), so a prompt found whole gives back its last page, which is then recomputed."""
+        assert not self.table(seq_id), "match only starts a sequence"
+        if not self.prefix_caching:
+            return 0
+        names, pages, name = [], [], b""
+        for start in range(0, len(tokens) - self.page_size, self.page_size):  # pages before the last token
+            name = page_key(name, tokens[start : start + self.page_size])
+            page = self._pages.get(name)
+            if page is None:
+                break
+            names.append(name)
+            pages.append(page)
+        for page in pages:
+            self._idle.pop(page, None)
+            self._refs[page] = self._refs.get(page, 0) + 1
+        self._tables[seq_id] = pages
+        self._chains[seq_id] = names
+        return len(pages) * self.page_size
+
     def ensure(self, seq_id: int, tokens: int) -> bool:
         """Grow the sequence's table to hold `tokens` positions; all or nothing."""
         need = self.missing_pages(seq_id, tokens)
-        if need > len(self._free):
+        if need > self.num_free:
             return False
         table = self._tables.setdefault(seq_id, [])
-        table.extend(self._free.popleft() for _ in range(need))
+        for _ in range(need):
+            page = self._take()
+            self._refs[page] = 1
+            table.append(page)
         return True
 
-    def free(self, seq_id: int) -> None:
-        """Return every page of the sequence at once (finish, abort or preemption)."""
-        self._free.extend(self._tables.pop(seq_id, []))
+    def seal(self, seq_id: int, cached: int, tokens: Callable[[int, int], list[int]]) -> None:
+        """Name the sequence's pages that `cached` positions have filled. tokens(start, end): the
+        sequence's token ids at those positions."""
+        if not self.prefix_caching:
+            return
+        chain = self._chains.setdefault(seq_id, [])
+        table = self._tables.get(seq_id, [])
+        while (len(chain) + 1) * self.page_size <= cached:
+            start = len(chain) * self.page_size
+            name = page_key(chain[-1] if chain else b"", tokens(start, start + self.page_size))
+            chain.append(name)
+            page = table[len(chain) - 1]
+            if name not in self._pages and page not in self._names:  # else another page holds it
+                self._pages[name], self._names[page] = page, name
+
+    def free(self, seq_id: int, keep: bool = True) -> None:
+        """Release every page of the sequence at once (finish, abort or preemption): named pages
+        stay cached, tail first in line to be reused. keep=False (a failed sequence) forgets the
+        names of the pages it alone held, so that nothing it wrote is reused."""
+        self._chains.pop(seq_id, None)
+        for page in reversed(self._tables.pop(seq_id, [])):
+            self._refs[page] -= 1
+            if self._refs[page] > 0:
+                continue
+            del self._refs[page]
+            if page in self._names and not keep:
+                del self._pages[self._names.pop(page)]
+            if page in self._names:
+                self._idle[page] = None
+            else:
+                self._free.append(page)
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        page, _ = self._idle.popitem(last=False)  # the least recently released named page
+        del self._pages[self._names.pop(page)]
+        return page
 
     def check(self) -> None:
-        """Invariant: every page is either free or owned by exactly one sequence."""
-        owned = [p for t in self._tables.values() for p in t]
-        assert len(owned) + len(self._free) == self.num_pages
-        assert len(set(owned) | set(self._free)) == self.num_pages
+        """Invariants: every page is free, idle or held (its count = the tables that hold it), and
+        names and pages map one to one."""
+        held: dict[int, int] = {}
+        for table in self._tables.values():
+            for p in table:
+                held[p] = held.get(p, 0) + 1
+        assert held == self._refs
+        parts = [set(held), set(self._free), set(self._idle)]
+        assert sum(map(len, parts)) == self.num_pages == len(set().union(*parts))
+        assert len(self._free) == len(set(self._free))
+        assert all(p in self._names for p in self._idle)
+        assert all(p not in self._names for p in self._free)
+        assert {p: n for n, p in self._pages.items()} == self._names

@@ -82,7 +82,7 @@ class LLMEngine:
         steps.send(
             parallel, steps.Init(num_pages + 1, config.msa_dense_window, config.index_cache_fp8)
         )  # followers size theirs
-        self.blocks = BlockManager(num_pages, page)
+        self.blocks = BlockManager(num_pages, page, config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         graphs = None
         # Decode graphs are single-process only: collectives are not captured into them.
@@ -157,6 +157,8 @@ class LLMEngine:
             return []
         tables = [self.blocks.table(seq.seq_id) for seq, _ in plan]
         ready, logits = self.runner.run(plan, tables)
+        for seq, _ in plan:  # name the pages this step filled, for later prompts with the same prefix
+            self.blocks.seal(seq.seq_id, seq.num_cached, seq.tokens)
         if not ready:
             return []
         out = self.sampler(

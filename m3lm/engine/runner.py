@@ -34,7 +34,7 @@ class ModelRunner:
         offset = 0
         for seq, n in plan:
             start = seq.num_cached
-            tokens.extend(_slice(seq, start, start + n))
+            tokens.extend(seq.tokens(start, start + n))
             q_lens.append(n)
             starts.append(start)
             offset += n
@@ -74,13 +74,3 @@ def forward_step(
     )
     ids = torch.tensor(step.tokens, dtype=torch.long, device=dev)
     return model.forward_batch(ids, batch, torch.tensor(step.rows, dtype=torch.long, device=dev))
-
-
-def _slice(seq: Sequence, start: int, end: int) -> list[int]:
-    """token_ids[start:end] without concatenating prompt and output."""
-    p = len(seq.prompt_ids)
-    if end <= p:
-        return seq.prompt_ids[start:end]
-    if start >= p:
-        return seq.output_ids[start - p : end - p]
-    return seq.prompt_ids[start:] + seq.output_ids[: end - p]

@@ -33,6 +33,7 @@ class Sequence:
     max_tokens: int  # params.max_tokens, capped by the context length
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose keys are in the cache
+    num_prefix_cached: int = 0  # prompt positions found in the prefix cache when first admitted
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
@@ -54,6 +55,15 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without concatenating prompt and output."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
 
     @property
     def finished(self) -> bool:
