@@ -193,6 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         msa_dense_window=args.msa_dense_window,
+        prefix_caching=args.prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.expert_parallel,
         quant=args.quant,
@@ -276,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue", type=int, default=256, help="waiting requests beyond which new ones get 503"
     )
     srv.add_argument("--msa-dense-window", type=float, default=None, metavar="F")
+    srv.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt whole (by default a prompt starts on the cached pages of its longest known prefix)",
+    )
     srv.set_defaults(func=cmd_serve)
     bn = sub.add_parser("bench", help="time a real-dimension slice on the GPU against its floor")
     bn.add_argument("--layers", type=int, default=4)

@@ -226,3 +226,13 @@ def test_chat_under_tensor_parallelism_matches_one_process():
     two = cli(*args, "--tensor-parallel-size", "2", stdin="hello\nand then?\n/exit\n")
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert two.stdout == one.stdout and one.stdout.count("\n") == 2
+
+
+@pytest.mark.parametrize(("flag", "on"), [([], True), (["--no-prefix-caching"], False)])
+def test_serve_passes_prefix_caching_to_the_engine(monkeypatch, flag, on):
+    import m3lm.server.app as app
+
+    seen = {}
+    monkeypatch.setattr(app, "serve", lambda *a, **k: seen.update(k))
+    assert main(["serve", *flag]) == 0
+    assert seen["prefix_caching"] is on

@@ -398,3 +398,32 @@ def test_chat_without_max_tokens_runs_to_the_end_of_the_context(checkpoint):
         assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 128
     finally:
         server.stop()
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(client, live):
+    page = live.engine.engine.blocks.page_size
+    msgs = [{"role": "user", "content": "the fox and the old mill by the river " * 6}]
+    first = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0)
+    wait_idle(live.engine)
+    hits = metric(live, "m3lm:prefix_cache_hits_total")
+    second = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert (
+        cached
+        == (second.usage.prompt_tokens - 1) // page * page
+        > first.usage.prompt_tokens_details.cached_tokens
+    )
+    assert second.choices[0].message.content == first.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=msgs,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    wait_idle(live.engine)
+    assert metric(live, "m3lm:prefix_cache_hits_total") - hits == 2 * cached

@@ -25,10 +25,13 @@ class Choice:
     logprobs: list[dict] = field(default_factory=list)
     finish: str | None = None
     stopped_by_string: bool = False
+    cached: int = 0  # prompt tokens found in the prefix cache
 
     def consume(self, out: StepOutput) -> list[dict]:
         """Deltas for one engine output (each delta is one kind only)."""
         self.tokens += len(out.new_token_ids)
+        if out.seq is not None:
+            self.cached = out.seq.num_prefix_cached
         if self.parser is None:
             events: list = [ContentDelta(out.new_text)] if out.new_text else []
         else:
@@ -100,12 +103,16 @@ def token_logprobs(tokenizer, out: StepOutput) -> list[dict]:
     ]
 
 
-def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
+def usage(prompt_tokens: int, choices: list[Choice], per_prompt: int = 1) -> dict:
+    """The usage object; choices are `per_prompt` consecutive ones for each prompt, and a
+    prompt's cached tokens are the fewest any of its choices found."""
     completion = sum(c.tokens for c in choices)
+    groups = [choices[i : i + per_prompt] for i in range(0, len(choices), per_prompt)]
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(min(c.cached for c in g) for g in groups)},
     }
 
 

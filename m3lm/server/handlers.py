@@ -201,7 +201,7 @@ async def _respond(state, req, request, streams, choices, prompt_tokens, chat: b
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(state, rid, created, streams, choices, prompt_tokens, chat, include_usage)
+        body = _stream(state, rid, created, streams, choices, prompt_tokens, chat, include_usage, req.n)
         return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     task = asyncio.ensure_future(_collect(state, streams, choices))
     while not task.done():
@@ -211,7 +211,7 @@ async def _respond(state, req, request, streams, choices, prompt_tokens, chat: b
             _abort(streams)
             raise ApiError(499, "client disconnected")
     task.result()
-    totals = usage(prompt_tokens, choices)
+    totals = usage(prompt_tokens, choices, req.n)
     if chat:
         body = [
             {
@@ -277,7 +277,7 @@ def _sse(obj: dict) -> str:
 
 
 async def _stream(
-    state, rid, created, streams, choices, prompt_tokens, chat, include_usage
+    state, rid, created, streams, choices, prompt_tokens, chat, include_usage, per_prompt
 ) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -335,7 +335,7 @@ async def _stream(
                     "created": created,
                     "model": state.model_name,
                     "choices": [],
-                    "usage": usage(prompt_tokens, choices),
+                    "usage": usage(prompt_tokens, choices, per_prompt),
                 }
             )
     except ApiError as e:

@@ -26,6 +26,12 @@ class Metrics:
         )
         self.prompt_tokens = Counter("m3lm:prompt_tokens", "Prefilled prompt tokens", labels, registry=r)
         self.generation_tokens = Counter("m3lm:generation_tokens", "Generated tokens", labels, registry=r)
+        self.prefix_queries = Counter(
+            "m3lm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r
+        )
+        self.prefix_hits = Counter(
+            "m3lm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r
+        )
         self.preemptions = Counter(
             "m3lm:num_preemptions", "Sequences preempted for pages", labels, registry=r
         )
@@ -50,6 +56,7 @@ class Metrics:
         )
         self.name = model_name
         self._preempted = 0
+        self._prefix = (0, 0)  # the scheduler's (prompt, cached) token counts last seen
         self._last_token: dict[str, float] = {}
 
     def observe_step(self, outputs: list[StepOutput], engine: LLMEngine) -> None:
@@ -59,6 +66,10 @@ class Metrics:
         self.running.labels(m).set(len(sched.running))
         self.waiting.labels(m).set(len(sched.waiting))
         self.kv_usage.labels(m).set(engine.blocks.num_used / engine.blocks.num_pages)
+        prefix = (sched.prompt_tokens, sched.prefix_cached_tokens)
+        self.prefix_queries.labels(m).inc(prefix[0] - self._prefix[0])
+        self.prefix_hits.labels(m).inc(prefix[1] - self._prefix[1])
+        self._prefix = prefix
         if sched.num_preemptions > self._preempted:
             self.preemptions.labels(m).inc(sched.num_preemptions - self._preempted)
             self._preempted = sched.num_preemptions
