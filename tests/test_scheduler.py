@@ -255,3 +255,14 @@ def test_random_load_with_prefix_caching_reads_only_its_own_tokens(seed):
         pytest.fail("requests starved")
     assert all(s.finished for s in seqs) and bm.num_free == pages
     assert hits > 0  # the shared stems were found in the cache
+
+
+def test_pages_taken_together_are_in_ascending_order():
+    bm = BlockManager(num_pages=6, page_size=2)
+    a = list(range(12))
+    bm.match(0, a)
+    bm.ensure(0, 12)
+    bm.seal(0, 12, lambda s, e: a[s:e])
+    bm.free(0)  # six named pages, cached tail first
+    assert bm.ensure(1, 12) and bm.table(1) == list(range(6))  # reclaimed as one ascending run
+    bm.check()

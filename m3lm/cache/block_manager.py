@@ -91,11 +91,11 @@ class BlockManager:
         need = self.missing_pages(seq_id, tokens)
         if need > self.num_free:
             return False
-        table = self._tables.setdefault(seq_id, [])
-        for _ in range(need):
-            page = self._take()
-            self._refs[page] = 1
-            table.append(page)
+        # In ascending order: pages taken as a run stay one (reclaimed cached pages come tail
+        # first), so the forward can use a view of the pools instead of a page list.
+        new = sorted(self._take() for _ in range(need))
+        self._refs.update(dict.fromkeys(new, 1))
+        self._tables.setdefault(seq_id, []).extend(new)
         return True
 
     def seal(self, seq_id: int, cached: int, tokens: Callable[[int, int], list[int]]) -> None:
