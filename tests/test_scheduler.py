@@ -132,11 +132,19 @@ def test_random_load_invariants(seed):
     assert bm.num_free == pages
 
 
+def compute(bm: BlockManager, seq_id: int, tokens: list[int]) -> int:
+    """What the engine does for a sequence of `tokens`: start on its cached prefix, take pages for
+    the rest, name the full ones once computed; returns the positions found cached."""
+    found = bm.match(seq_id, tokens)
+    assert bm.ensure(seq_id, len(tokens))
+    bm.seal(seq_id, len(tokens), lambda s, e: tokens[s:e])
+    return found
+
+
 def test_prefix_pages_are_shared_named_and_kept_until_needed():
     bm = BlockManager(num_pages=8, page_size=4)
     a = list(range(1, 11))  # 10 tokens: 2 full pages and a partial one
-    assert bm.match(0, a) == 0 and bm.ensure(0, 10)
-    bm.seal(0, 10, lambda s, e: a[s:e])
+    assert compute(bm, 0, a) == 0
     b = [*a[:8], 99, 98]  # the same two full pages, then its own tokens
     assert bm.match(1, b) == 8 and bm.table(1) == bm.table(0)[:2]
     assert bm.ensure(1, 10) and bm.table(1)[2] != bm.table(0)[2]
@@ -159,9 +167,7 @@ def test_prefix_pages_are_shared_named_and_kept_until_needed():
 def test_room_is_taken_from_a_cached_prefix_tail_first():
     bm = BlockManager(num_pages=3, page_size=2)
     a = [1, 2, 3, 4, 5]
-    bm.match(0, a)
-    bm.ensure(0, 5)
-    bm.seal(0, 5, lambda s, e: a[s:e])
+    compute(bm, 0, a)
     bm.free(0)
     assert bm.num_free == 3 and bm.num_idle == 2
     assert bm.ensure(1, 4) and bm.num_idle == 1  # the free page and one cached page
@@ -172,9 +178,7 @@ def test_room_is_taken_from_a_cached_prefix_tail_first():
 def test_a_prompt_found_whole_recomputes_its_last_page():
     bm = BlockManager(num_pages=8, page_size=4)
     a = list(range(8))
-    bm.match(0, a)
-    bm.ensure(0, 9)
-    bm.seal(0, 9, lambda s, e: ([*a, 50])[s:e])
+    compute(bm, 0, [*a, 50])
     assert bm.match(1, a) == 4  # the last token's logits are needed: its page is not shared
     assert bm.match(2, [*a, 50]) == 8
     assert bm.match(3, a[:5]) == 4 and bm.match(4, a[:4]) == 0
@@ -184,15 +188,11 @@ def test_a_prompt_found_whole_recomputes_its_last_page():
 def test_failed_sequences_pages_are_not_kept_and_prefix_caching_can_be_off():
     bm = BlockManager(num_pages=4, page_size=2)
     a = [3, 4, 5, 6, 7]
-    bm.match(0, a)
-    bm.ensure(0, 5)
-    bm.seal(0, 5, lambda s, e: a[s:e])
+    compute(bm, 0, a)
     bm.free(0, keep=False)
     assert bm.num_idle == 0 and bm.match(1, a) == 0
     off = BlockManager(num_pages=4, page_size=2, prefix_caching=False)
-    off.match(0, a)
-    off.ensure(0, 5)
-    off.seal(0, 5, lambda s, e: a[s:e])
+    assert compute(off, 0, a) == 0
     off.free(0)
     assert off.num_idle == 0 and off.match(1, a) == 0
     bm.check()
@@ -260,9 +260,7 @@ def test_random_load_with_prefix_caching_reads_only_its_own_tokens(seed):
 def test_pages_taken_together_are_in_ascending_order():
     bm = BlockManager(num_pages=6, page_size=2)
     a = list(range(12))
-    bm.match(0, a)
-    bm.ensure(0, 12)
-    bm.seal(0, 12, lambda s, e: a[s:e])
+    compute(bm, 0, a)
     bm.free(0)  # six named pages, cached tail first
     assert bm.ensure(1, 12) and bm.table(1) == list(range(6))  # reclaimed as one ascending run
     bm.check()
