@@ -17,7 +17,8 @@ but in the final usage chunk, one finishing chunk, `data: [DONE]` last). Any 5xx
 malformed reply or request timeout counts as an error.
 
 Every `--sample-every` seconds it records the server's RSS (VmRSS of /proc/PID/status) and the
-`/metrics` gauges (KV-cache usage, running, waiting). At the end it waits for the server to go
+`/metrics` gauges (KV-cache usage, running, waiting) and the prefix cache's counters (prompt
+tokens found cached, prompt tokens admitted). At the end it waits for the server to go
 idle, sends one small probe request (the gauges are published after engine steps), and checks
 that KV usage is back to 0; that the median RSS of the last minute exceeds the median of the
 first minute after `--warmup` by at most `--rss-tolerance-mb`; then stops the server with
@@ -68,6 +69,8 @@ WORDS += ["big", "small", "red", "blue", "mom", "dad", "park", "toy", "cake", "r
 NAMES = ["Lily", "Tim", "Sue", "Ben", "Mia", "Max", "Anna", "Tom"]
 GAUGES = {"kv": "m3lm:kv_cache_usage_perc", "running": "m3lm:num_requests_running"}
 GAUGES["waiting"] = "m3lm:num_requests_waiting"
+GAUGES["cache_hits"] = "m3lm:prefix_cache_hits_total"  # prompt tokens found in the prefix cache
+GAUGES["cache_queries"] = "m3lm:prefix_cache_queries_total"
 
 
 class Malformed(Exception):
@@ -361,6 +364,8 @@ def report(soak: Soak, a, duration, rss0, idle, probe, exit_info, log) -> tuple[
         f"{idle['running']:.0f} / {idle['waiting']:.0f} |",
         f"| gauges after one probe request (kv / running / waiting) | {probe['kv']:.6f} / "
         f"{probe['running']:.0f} / {probe['waiting']:.0f} |",
+        f"| prompt tokens found in the prefix cache / admitted | {probe['cache_hits']:.0f} / "
+        f"{probe['cache_queries']:.0f} |",
     ]
     n_bad = [o for o in soak.outcomes if o.kind != "bad"]
     five = [o for o in soak.outcomes if re.search(r"HTTP 5\d\d|'code': 5\d\d", o.error)]
