@@ -110,7 +110,7 @@ class BlockManager:
             name = page_key(chain[-1] if chain else b"", tokens(start, start + self.page_size))
             chain.append(name)
             page = table[len(chain) - 1]
-            if name not in self._pages and page not in self._names:  # else another page holds it
+            if name not in self._pages:  # else another sequence's page holds these contents already
                 self._pages[name], self._names[page] = page, name
 
     def free(self, seq_id: int, keep: bool = True) -> None:
