@@ -174,6 +174,29 @@ def moe_kernel():
         h, w2, t * a, a, aligned, True, weights.flatten(), torch.float32, 32, cfg, True
     )
     close(y.view(t, a, c).sum(1), moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0))
+    merged_tails()
+
+
+def merged_tails():
+    """Short last blocks taken by their expert's previous block (`moe_triton._tail`): groups
+    aligned to 64 rows, tails of up to 32 pairs merged as 16 or 32 extra rows, the others in
+    their own (half or whole) tiles. One expert per token, so each expert's count is chosen."""
+    counts = [64 + 10, 128 + 25, 64 + 40, 20, 64, 64 + 30, 64 + 16, 64 + 17, 0, 33]
+    e, c, i = len(counts), 64, 32
+    ids = torch.cat([torch.full((n,), k) for k, n in enumerate(counts)])[torch.randperm(sum(counts))][:, None]
+    t, a = ids.shape
+    x = torch.randn(t, c)
+    w1, w3, w2 = torch.randn(e, i, c) * 0.1, torch.randn(e, i, c) * 0.1, torch.randn(e, c, i) * 0.1
+    weights = torch.rand(t, a)
+    aligned = moe_triton.align(ids, e, 64)
+    cfg = (32, 32, 4, 1, 2)
+    want = moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0)
+    for tail in (0, 16, 32):
+        h = moe_triton.gate_up(x, w1, w3, t * a, a, aligned, 1.702, 7.0, 64, cfg, halves=True, tail=tail)
+        y = moe_triton.grouped_gemm(
+            h, w2, t * a, a, aligned, True, weights.flatten(), torch.float32, 64, cfg, halves=True, tail=tail
+        )
+        close(y.view(t, a, c).sum(1), want)
 
 
 @triton.jit

@@ -223,6 +223,51 @@ def test_fused_moe_matches_reference(dtype, t, e, a, c, i):
     assert rel(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("tail", [16, 32, 64])
+def test_merged_moe_tails_equal_their_own_tiles(tail):
+    """Short last blocks taken by their expert's previous block (`moe_triton._tail`), at the
+    prefill tiles: bitwise the same pairs as with each block in its own tile, and the reference.
+    One expert per token, so each expert's count picks the case: tails of 10, 16, 17, 25, 33, 60
+    pairs after whole blocks, a half-height last block, a long one, lone short experts."""
+    from m3lm.kernels import moe_triton as mt
+
+    gen = torch.Generator(device="cpu").manual_seed(tail)
+    counts = [256 + 10, 384 + 25, 128 + 40, 20, 128, 128 + 70, 256 + 16, 128 + 17, 0, 33, 128 + 60, 600]
+    e, c, i = len(counts), 512, 256
+    ids = torch.cat([torch.full((n,), k) for k, n in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=gen)][:, None].to(DEV)
+    t, m = ids.shape[0], ids.numel()
+    x = torch.randn(t, c, generator=gen).to(DEV, torch.bfloat16)
+    w1, w3 = (torch.randn(e, i, c, generator=gen).mul(0.05).to(DEV, torch.bfloat16) for _ in range(2))
+    w2 = torch.randn(e, c, i, generator=gen).mul(0.05).to(DEV, torch.bfloat16)
+    weights = torch.rand(t, 1, generator=gen).to(DEV)
+    (up_m, up_cfg), (down_m, down_cfg) = mt.tiles(m, torch.bfloat16)
+    assert up_m == down_m == 128
+    aligned = mt.align(ids, e, 128)
+    outs = []
+    for merged in (0, tail):
+        h = mt.gate_up(x, w1, w3, m, 1, aligned, 1.702, 7.0, up_m, up_cfg, halves=True, tail=merged)
+        outs.append(
+            mt.grouped_gemm(
+                h,
+                w2,
+                m,
+                1,
+                aligned,
+                True,
+                weights.flatten(),
+                torch.float32,
+                down_m,
+                down_cfg,
+                True,
+                tail=merged,
+            )
+        )
+    assert torch.equal(outs[0], outs[1])
+    ref = moe_experts_ref(x.float(), weights, ids, w1.float(), w3.float(), w2.float(), 1.702, 7.0)
+    assert rel(outs[1], ref) < 2e-2
+
+
 def test_moe_combine_of_unweighted_pairs_in_expert_order():
     from m3lm.kernels.fused import moe_combine
 

@@ -230,6 +230,28 @@ def _program(
 
 
 @triton.jit
+def _tail(sorted_ptr, ends_ptr, e, pid_m, M, BM: tl.constexpr, TAIL: tl.constexpr):
+    """(skip, T) for a program of row block pid_m of expert e, with TAIL > 0: an expert's last
+    block that holds at most TAIL pairs after a whole block of its own is taken by that block's
+    programs (skip); those take it as T extra rows (16, 32 .. TAIL: the fewest that hold it),
+    multiplied with the weight tiles they load anyway (`_gemm_merged`, `_gate_up_merged`), so the
+    short block costs no program of its own and pads to 16 rows instead of BM / 2."""
+    end = tl.load(ends_ptr + e) // BM
+    first = tl.load(ends_ptr + e - 1, mask=e > 0, other=0) // BM
+    start = pid_m * BM
+    skip = (pid_m == end - 1) & (pid_m > first) & (tl.load(sorted_ptr + start + TAIL) >= M)
+    t = 0
+    if pid_m == end - 2:  # the next block is the last; it may hold padding only past TAIL pairs
+        nxt = start + BM
+        t = tl.where(tl.load(sorted_ptr + nxt + TAIL) >= M, TAIL, 0)
+        if TAIL >= 64:
+            t = tl.where(tl.load(sorted_ptr + nxt + 32) >= M, 32, t)
+        if TAIL >= 32:
+            t = tl.where(tl.load(sorted_ptr + nxt + 16) >= M, 16, t)
+    return skip, t
+
+
+@triton.jit
 def _gemm_rows(
     a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, start, pid_n, M, TOP_K, s_am, s_we, s_wn, s_cm,
     N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
@@ -262,21 +284,79 @@ def _gemm_rows(
 
 
 @triton.jit
+def _gemm_merged(
+    a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, start, pid_n, M, TOP_K, s_am, s_we, s_wn, s_cm,
+    N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
+    R: tl.constexpr, T: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """`_gemm_rows` for the R slots from `start` and the T slots after them (the expert's short
+    last block), the second as w @ a.T ([BN, T]: the tensor cores' narrow side holds the rows)."""
+    pairs = tl.load(sorted_ptr + start + tl.arange(0, R))
+    tails = tl.load(sorted_ptr + start + R + tl.arange(0, T))
+    valid, t_valid = pairs < M, tails < M
+    rows = pairs if PAIR_ROWS else pairs // TOP_K
+    t_rows = tails if PAIR_ROWS else tails // TOP_K
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros([R, BN], tl.float32)
+    acc_t = tl.zeros([BN, T], tl.float32)
+    for k0 in range(0, KDIM, BK):
+        kk = k0 + offs_k
+        k_ok = kk < KDIM
+        a = tl.load(
+            a_ptr + rows[:, None].to(tl.int64) * s_am + kk[None, :],
+            mask=valid[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        a_t = tl.load(
+            a_ptr + t_rows[None, :].to(tl.int64) * s_am + kk[:, None],
+            mask=t_valid[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + e * s_we + offs_n[None, :] * s_wn + kk[:, None],
+            mask=(offs_n[None, :] < N) & k_ok[:, None],
+            other=0.0,
+        )  # [BK, BN]
+        acc += tl.dot(a, w, out_dtype=tl.float32, input_precision=PREC)
+        acc_t += tl.dot(tl.trans(w), a_t, out_dtype=tl.float32, input_precision=PREC)
+    if SCALE:
+        acc = acc * tl.load(scale_ptr + pairs, mask=valid, other=0.0)[:, None]
+        acc_t = acc_t * tl.load(scale_ptr + tails, mask=t_valid, other=0.0)[None, :]
+    n_ok = offs_n < N
+    out = c_ptr + pairs[:, None].to(tl.int64) * s_cm + offs_n[None, :]
+    tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    out_t = c_ptr + tails[None, :].to(tl.int64) * s_cm + offs_n[:, None]
+    tl.store(out_t, acc_t.to(c_ptr.dtype.element_ty), mask=t_valid[None, :] & n_ok[:, None])
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, ends_ptr, scale_ptr,
     M, TOP_K,
     s_am, s_we, s_wn, s_cm,
     N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
-    HALVES: tl.constexpr,
+    HALVES: tl.constexpr, TAIL: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, rows, e = _program(
         sorted_ptr, expert_ptr, used_ptr, ends_ptr, M, N, BM, BN, ALIGN_M, GROUP_M, HALVES
     )
     if rows == 0:
         return
+    t = 0
+    if TAIL > 0:
+        skip, t = _tail(sorted_ptr, ends_ptr, e, pid_m, M, BM, TAIL)
+        if skip:
+            return
     args = (a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, pid_m * BM, pid_n, M, TOP_K, s_am, s_we, s_wn, s_cm)  # fmt: skip
-    if HALVES and rows < BM:
+    if TAIL >= 16 and t == 16:
+        _gemm_merged(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM, 16, BN, BK)
+    elif TAIL >= 32 and t == 32:
+        _gemm_merged(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM, 32, BN, BK)
+    elif TAIL >= 64 and t == 64:
+        _gemm_merged(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM, 64, BN, BK)
+    elif HALVES and rows < BM:
         _gemm_rows(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM // 2, BN, BK)
     else:
         _gemm_rows(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM, BN, BK)
@@ -310,11 +390,70 @@ def _gate_up_rows(
         up += tl.dot(
             a, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), out_dtype=tl.float32, input_precision=PREC
         )
-    g = tl.minimum(gate, limit)  # the clamped SwiGLU of layers/mlp.py, in fp32
-    u = tl.minimum(tl.maximum(up, -limit), limit)
-    h = g * tl.sigmoid(alpha * g) * (u + 1.0)
+    h = _swiglu(gate, up, alpha, limit)
     out = h_ptr + pairs[:, None].to(tl.int64) * s_hm + offs_n[None, :]
     tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _swiglu(gate, up, alpha, limit):
+    g = tl.minimum(gate, limit)  # the clamped SwiGLU of layers/mlp.py, in fp32
+    u = tl.minimum(tl.maximum(up, -limit), limit)
+    return g * tl.sigmoid(alpha * g) * (u + 1.0)
+
+
+@triton.jit
+def _gate_up_merged(
+    a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, start, pid_n, M, TOP_K, alpha, limit, s_am, s_we, s_wn, s_hm,
+    N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr, T: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
+):  # fmt: skip
+    """`_gate_up_rows` for the R slots from `start` and the T slots after them, the second as
+    w @ a.T ([BN, T]) with the same weight tiles (`_gemm_merged`)."""
+    pairs = tl.load(sorted_ptr + start + tl.arange(0, R))
+    tails = tl.load(sorted_ptr + start + R + tl.arange(0, T))
+    valid, t_valid = pairs < M, tails < M
+    rows, t_rows = pairs // TOP_K, tails // TOP_K
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    gate = tl.zeros([R, BN], tl.float32)
+    up = tl.zeros([R, BN], tl.float32)
+    gate_t = tl.zeros([BN, T], tl.float32)
+    up_t = tl.zeros([BN, T], tl.float32)
+    for k0 in range(0, KDIM, BK):
+        kk = k0 + offs_k
+        k_ok = kk < KDIM
+        a = tl.load(
+            a_ptr + rows[:, None].to(tl.int64) * s_am + kk[None, :],
+            mask=valid[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        a_t = tl.load(
+            a_ptr + t_rows[None, :].to(tl.int64) * s_am + kk[:, None],
+            mask=t_valid[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        w_off = e * s_we + offs_n[None, :] * s_wn + kk[:, None]
+        w_ok = (offs_n[None, :] < N) & k_ok[:, None]
+        w1 = tl.load(w1_ptr + w_off, mask=w_ok, other=0.0)  # [BK, BN]
+        w3 = tl.load(w3_ptr + w_off, mask=w_ok, other=0.0)
+        gate += tl.dot(a, w1, out_dtype=tl.float32, input_precision=PREC)
+        up += tl.dot(a, w3, out_dtype=tl.float32, input_precision=PREC)
+        gate_t += tl.dot(tl.trans(w1), a_t, out_dtype=tl.float32, input_precision=PREC)
+        up_t += tl.dot(tl.trans(w3), a_t, out_dtype=tl.float32, input_precision=PREC)
+    n_ok = offs_n < N
+    h = _swiglu(gate, up, alpha, limit)
+    tl.store(
+        h_ptr + pairs[:, None].to(tl.int64) * s_hm + offs_n[None, :],
+        h.to(h_ptr.dtype.element_ty),
+        mask=valid[:, None] & n_ok[None, :],
+    )
+    h_t = _swiglu(gate_t, up_t, alpha, limit)
+    tl.store(
+        h_ptr + tails[None, :].to(tl.int64) * s_hm + offs_n[:, None],
+        h_t.to(h_ptr.dtype.element_ty),
+        mask=t_valid[None, :] & n_ok[:, None],
+    )
 
 
 @triton.jit
@@ -324,7 +463,7 @@ def _moe_gate_up_kernel(
     s_am, s_we, s_wn, s_hm,
     N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
-    HALVES: tl.constexpr,
+    HALVES: tl.constexpr, TAIL: tl.constexpr,
 ):  # fmt: skip
     """h[pair] = swiglu(a[token] @ w1[e].T, a[token] @ w3[e].T): both products from one read of a."""
     pid_m, pid_n, rows, e = _program(
@@ -332,8 +471,19 @@ def _moe_gate_up_kernel(
     )
     if rows == 0:
         return
+    t = 0
+    if TAIL > 0:
+        skip, t = _tail(sorted_ptr, ends_ptr, e, pid_m, M, BM, TAIL)
+        if skip:
+            return
     args = (a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, pid_m * BM, pid_n, M, TOP_K, alpha, limit)
-    if HALVES and rows < BM:
+    if TAIL >= 16 and t == 16:
+        _gate_up_merged(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, 16, BN, BK)
+    elif TAIL >= 32 and t == 32:
+        _gate_up_merged(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, 32, BN, BK)
+    elif TAIL >= 64 and t == 64:
+        _gate_up_merged(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, 64, BN, BK)
+    elif HALVES and rows < BM:
         _gate_up_rows(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM // 2, BN, BK)
     else:
         _gate_up_rows(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, BN, BK)
@@ -365,6 +515,19 @@ def _align_m(aligned: Aligned, block_m: int) -> int:
     return align_m
 
 
+# Most pairs in a short last block that its expert's previous block takes (`_tail`), per kernel.
+# On the H200 at the prefill tiles: gate/up takes up to 64 with 255 registers a thread and no
+# spills; down, whose 128 x 256 accumulator is larger, spills at 64 and takes up to 32.
+MERGED_TAIL = {"gate_up": 64, "down": 32}
+
+
+def _merged_tail(kernel: str, halves: bool, block_m: int, tail: int | None) -> int:
+    """TAIL of a kernel: `MERGED_TAIL`'s with half-height tiles unless given, 0 (off) without."""
+    tail = (MERGED_TAIL[kernel] if tail is None else tail) if halves else 0
+    assert tail in (0, 16, 32, 64) and tail <= block_m // 2, (tail, block_m)
+    return tail
+
+
 def _halves(aligned: Aligned, block_m: int) -> bool:
     """Short last blocks in half-height tiles (`_block`): when blocks are whole aligned groups of
     at least 128 rows (prefill), so that a half is still a full tensor-core tile."""
@@ -378,17 +541,21 @@ def row_blocks(aligned: Aligned, m: int, block_m: int) -> int:
     return min(aligned.sorted_ids.numel(), m * align_m) // block_m
 
 
-def gate_up(x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config, halves=None) -> torch.Tensor:
+def gate_up(
+    x, w1, w3, m, top_k, aligned, alpha, limit, block_m, config, halves=None, tail=None
+) -> torch.Tensor:
     """SwiGLU activations [M, I] of every token-expert pair (x.dtype). halves: `_block`'s
-    half-height tiles (default: `_halves`)."""
+    half-height tiles (default: `_halves`); tail: `_tail`'s merged short blocks (default:
+    `MERGED_TAIL`'s with halves, 0 without)."""
     n, kdim = w1.shape[1], w1.shape[2]
     h = torch.empty(m, n, device=x.device, dtype=x.dtype)
     bn, bk, warps, stages, group = config
+    halves = _halves(aligned, block_m) if halves is None else halves
     _moe_gate_up_kernel[(row_blocks(aligned, m, block_m) * triton.cdiv(n, bn),)](
         x, w1, w3, h, *aligned, m, top_k, alpha, limit,
         x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
         N=n, KDIM=kdim, PREC=precision(x), BM=block_m, BN=bn, BK=bk, ALIGN_M=_align_m(aligned, block_m),
-        GROUP_M=group, HALVES=_halves(aligned, block_m) if halves is None else halves, num_warps=warps,
+        GROUP_M=group, HALVES=halves, TAIL=_merged_tail("gate_up", halves, block_m, tail), num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
     return h
@@ -406,9 +573,12 @@ def grouped_gemm(
     block_m=16,
     config=(64, 128, 4, 3, 8),
     halves=None,
+    tail=None,
 ):
-    """c[pair] = a[row of pair] @ w[expert of pair].T (times scale[pair]) -> [M, N]."""
+    """c[pair] = a[row of pair] @ w[expert of pair].T (times scale[pair]) -> [M, N]. halves, tail:
+    as `gate_up`'s."""
     n, kdim = w.shape[1], w.shape[2]
+    halves = _halves(aligned, block_m) if halves is None else halves
     c = torch.empty(m, n, device=a.device, dtype=out_dtype or a.dtype)
     bn, bk, warps, stages, group = config
     grid = (row_blocks(aligned, m, block_m) * triton.cdiv(n, bn),)
@@ -416,9 +586,8 @@ def grouped_gemm(
         a, w, c, *aligned, scale if scale is not None else c,
         m, top_k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         N=n, KDIM=kdim, PAIR_ROWS=pair_rows, PREC=precision(a), SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
-        ALIGN_M=_align_m(aligned, block_m), GROUP_M=group,
-        HALVES=_halves(aligned, block_m) if halves is None else halves, num_warps=warps,
-        num_stages=stages,
+        ALIGN_M=_align_m(aligned, block_m), GROUP_M=group, HALVES=halves,
+        TAIL=_merged_tail("down", halves, block_m, tail), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return c
 
