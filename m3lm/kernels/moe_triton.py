@@ -2,8 +2,12 @@
 
 Token-expert pairs are sorted by expert and each expert's group is padded to BLOCK_M rows
 (`align`), so one program multiplies BLOCK_M rows of one expert by a BLOCK_N slice of its
-weights; every expert's weights are read once per step however many tokens chose it. All
-shapes are static and nothing syncs with the host (CUDA-graph safe).
+weights; every expert's weights are read once per step however many tokens chose it. In
+prefill (128-row blocks) a group's short last block runs in a half-height tile (`_block`), or,
+when it follows a whole block of its expert and holds few pairs, in that block's programs as
+w @ a.T on the weight tiles they load anyway (`_tail`): no program and no weight reads of its
+own, and its padding rounds to 16 rows. All shapes are static and nothing syncs with the host
+(CUDA-graph safe).
 
 Shapes: T tokens, A experts per token, E experts, C hidden, I expert width, M = T*A pairs,
 EM = padded pair slots.
@@ -521,9 +525,12 @@ def _align_m(aligned: Aligned, block_m: int) -> int:
 MERGED_TAIL = {"gate_up": 64, "down": 32}
 
 
-def _merged_tail(kernel: str, halves: bool, block_m: int, tail: int | None) -> int:
-    """TAIL of a kernel: `MERGED_TAIL`'s with half-height tiles unless given, 0 (off) without."""
-    tail = (MERGED_TAIL[kernel] if tail is None else tail) if halves else 0
+def _merged_tail(kernel: str, halves: bool, aligned: Aligned, block_m: int, tail: int | None) -> int:
+    """TAIL of a kernel: `MERGED_TAIL`'s (at most half a block) with half-height tiles in blocks
+    of whole aligned groups, unless given; 0 (off) otherwise."""
+    if not halves or block_m != _align_m(aligned, block_m):
+        return 0
+    tail = min(MERGED_TAIL[kernel], block_m // 2) if tail is None else tail
     assert tail in (0, 16, 32, 64) and tail <= block_m // 2, (tail, block_m)
     return tail
 
@@ -555,7 +562,7 @@ def gate_up(
         x, w1, w3, h, *aligned, m, top_k, alpha, limit,
         x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
         N=n, KDIM=kdim, PREC=precision(x), BM=block_m, BN=bn, BK=bk, ALIGN_M=_align_m(aligned, block_m),
-        GROUP_M=group, HALVES=halves, TAIL=_merged_tail("gate_up", halves, block_m, tail), num_warps=warps,
+        GROUP_M=group, HALVES=halves, TAIL=_merged_tail("gate_up", halves, aligned, block_m, tail), num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
     return h
@@ -587,7 +594,7 @@ def grouped_gemm(
         m, top_k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         N=n, KDIM=kdim, PAIR_ROWS=pair_rows, PREC=precision(a), SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
         ALIGN_M=_align_m(aligned, block_m), GROUP_M=group, HALVES=halves,
-        TAIL=_merged_tail("down", halves, block_m, tail), num_warps=warps, num_stages=stages,
+        TAIL=_merged_tail("down", halves, aligned, block_m, tail), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return c
 
