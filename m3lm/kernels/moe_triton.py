@@ -256,25 +256,39 @@ def _tail(sorted_ptr, ends_ptr, e, pid_m, M, BM: tl.constexpr, TAIL: tl.constexp
 
 
 @triton.jit
+def _slot_rows(sorted_ptr, start, M, TOP_K, R: tl.constexpr, PAIR_ROWS: tl.constexpr, SKIP: tl.constexpr = 0):
+    """(pairs, valid, rows) of the R slots from `start` + SKIP: each slot's pair (M for padding),
+    and the row of `a` it multiplies: the pair's own (PAIR_ROWS) or its token's."""
+    pairs = tl.load(sorted_ptr + start + SKIP + tl.arange(0, R))
+    return pairs, pairs < M, pairs if PAIR_ROWS else pairs // TOP_K
+
+
+@triton.jit
+def _rows_tile(a_ptr, rows, valid, kk, s_am, KDIM: tl.constexpr, COLUMNS: tl.constexpr):
+    """a[rows, kk] as [R, BK], or as [BK, R] with COLUMNS; zeros for padding slots and past KDIM."""
+    if COLUMNS:
+        ptrs = a_ptr + rows[None, :].to(tl.int64) * s_am + kk[:, None]
+        ok = valid[None, :] & (kk[:, None] < KDIM)
+    else:
+        ptrs = a_ptr + rows[:, None].to(tl.int64) * s_am + kk[None, :]
+        ok = valid[:, None] & (kk[None, :] < KDIM)
+    return tl.load(ptrs, mask=ok, other=0.0)
+
+
+@triton.jit
 def _gemm_rows(
     a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, start, pid_n, M, TOP_K, s_am, s_we, s_wn, s_cm,
     N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
     R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """c[pair] (times scale[pair]) for the R slots from `start`, outputs pid_n*BN.. of expert e."""
-    pairs = tl.load(sorted_ptr + start + tl.arange(0, R))
-    valid = pairs < M
-    rows = pairs if PAIR_ROWS else pairs // TOP_K
+    pairs, valid, rows = _slot_rows(sorted_ptr, start, M, TOP_K, R, PAIR_ROWS)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     acc = tl.zeros([R, BN], tl.float32)
     for k0 in range(0, KDIM, BK):
         kk = k0 + offs_k
-        a = tl.load(
-            a_ptr + rows[:, None].to(tl.int64) * s_am + kk[None, :],
-            mask=valid[:, None] & (kk[None, :] < KDIM),
-            other=0.0,
-        )
+        a = _rows_tile(a_ptr, rows, valid, kk, s_am, KDIM, False)
         w = tl.load(
             w_ptr + e * s_we + offs_n[None, :] * s_wn + kk[:, None],
             mask=(offs_n[None, :] < N) & (kk[:, None] < KDIM),
@@ -295,11 +309,8 @@ def _gemm_merged(
 ):  # fmt: skip
     """`_gemm_rows` for the R slots from `start` and the T slots after them (the expert's short
     last block), the second as w @ a.T ([BN, T]: the tensor cores' narrow side holds the rows)."""
-    pairs = tl.load(sorted_ptr + start + tl.arange(0, R))
-    tails = tl.load(sorted_ptr + start + R + tl.arange(0, T))
-    valid, t_valid = pairs < M, tails < M
-    rows = pairs if PAIR_ROWS else pairs // TOP_K
-    t_rows = tails if PAIR_ROWS else tails // TOP_K
+    pairs, valid, rows = _slot_rows(sorted_ptr, start, M, TOP_K, R, PAIR_ROWS)
+    tails, t_valid, t_rows = _slot_rows(sorted_ptr, start, M, TOP_K, T, PAIR_ROWS, R)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     acc = tl.zeros([R, BN], tl.float32)
@@ -307,16 +318,8 @@ def _gemm_merged(
     for k0 in range(0, KDIM, BK):
         kk = k0 + offs_k
         k_ok = kk < KDIM
-        a = tl.load(
-            a_ptr + rows[:, None].to(tl.int64) * s_am + kk[None, :],
-            mask=valid[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        a_t = tl.load(
-            a_ptr + t_rows[None, :].to(tl.int64) * s_am + kk[:, None],
-            mask=t_valid[None, :] & k_ok[:, None],
-            other=0.0,
-        )
+        a = _rows_tile(a_ptr, rows, valid, kk, s_am, KDIM, False)  # [R, BK]
+        a_t = _rows_tile(a_ptr, t_rows, t_valid, kk, s_am, KDIM, True)  # [BK, T]
         w = tl.load(
             w_ptr + e * s_we + offs_n[None, :] * s_wn + kk[:, None],
             mask=(offs_n[None, :] < N) & k_ok[:, None],
@@ -372,20 +375,14 @@ def _gate_up_rows(
     N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """h[pair] = swiglu(a[token] @ w1[e].T, a[token] @ w3[e].T) for the R slots from `start`."""
-    pairs = tl.load(sorted_ptr + start + tl.arange(0, R))
-    valid = pairs < M
-    rows = pairs // TOP_K
+    pairs, valid, rows = _slot_rows(sorted_ptr, start, M, TOP_K, R, False)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     gate = tl.zeros([R, BN], tl.float32)
     up = tl.zeros([R, BN], tl.float32)
     for k0 in range(0, KDIM, BK):
         kk = k0 + offs_k
-        a = tl.load(
-            a_ptr + rows[:, None].to(tl.int64) * s_am + kk[None, :],
-            mask=valid[:, None] & (kk[None, :] < KDIM),
-            other=0.0,
-        )
+        a = _rows_tile(a_ptr, rows, valid, kk, s_am, KDIM, False)
         w_off = e * s_we + offs_n[None, :] * s_wn + kk[:, None]
         w_ok = (offs_n[None, :] < N) & (kk[:, None] < KDIM)
         gate += tl.dot(
@@ -414,10 +411,8 @@ def _gate_up_merged(
 ):  # fmt: skip
     """`_gate_up_rows` for the R slots from `start` and the T slots after them, the second as
     w @ a.T ([BN, T]) with the same weight tiles (`_gemm_merged`)."""
-    pairs = tl.load(sorted_ptr + start + tl.arange(0, R))
-    tails = tl.load(sorted_ptr + start + R + tl.arange(0, T))
-    valid, t_valid = pairs < M, tails < M
-    rows, t_rows = pairs // TOP_K, tails // TOP_K
+    pairs, valid, rows = _slot_rows(sorted_ptr, start, M, TOP_K, R, False)
+    tails, t_valid, t_rows = _slot_rows(sorted_ptr, start, M, TOP_K, T, False, R)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     gate = tl.zeros([R, BN], tl.float32)
@@ -427,16 +422,8 @@ def _gate_up_merged(
     for k0 in range(0, KDIM, BK):
         kk = k0 + offs_k
         k_ok = kk < KDIM
-        a = tl.load(
-            a_ptr + rows[:, None].to(tl.int64) * s_am + kk[None, :],
-            mask=valid[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        a_t = tl.load(
-            a_ptr + t_rows[None, :].to(tl.int64) * s_am + kk[:, None],
-            mask=t_valid[None, :] & k_ok[:, None],
-            other=0.0,
-        )
+        a = _rows_tile(a_ptr, rows, valid, kk, s_am, KDIM, False)  # [R, BK]
+        a_t = _rows_tile(a_ptr, t_rows, t_valid, kk, s_am, KDIM, True)  # [BK, T]
         w_off = e * s_we + offs_n[None, :] * s_wn + kk[:, None]
         w_ok = (offs_n[None, :] < N) & k_ok[:, None]
         w1 = tl.load(w1_ptr + w_off, mask=w_ok, other=0.0)  # [BK, BN]
