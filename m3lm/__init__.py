@@ -13,7 +13,7 @@ from m3lm.config import EngineConfig, ModelArgs
 from m3lm.core import SamplingParams
 from m3lm.distributed.parallel import SINGLE, ParallelConfig
 from m3lm.errors import CheckpointError, ConfigError, M3lmError
-from m3lm.generate import GenerationResult, generate, stream_generate
+from m3lm.generate import GenerationResult, generate, session_engine, stream_generate
 from m3lm.loader import check_dir, load_model
 from m3lm.models.minimax_m3 import MiniMaxM3
 
@@ -33,6 +33,7 @@ __all__ = [
     "generate",
     "load",
     "load_model",
+    "session_engine",
     "stream_generate",
 ]
 

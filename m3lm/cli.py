@@ -79,26 +79,27 @@ def _template_kwargs(args: argparse.Namespace) -> dict:
     return {"thinking_mode": args.thinking_mode} if args.thinking_mode else {}
 
 
-def _stream(model, tokenizer, args: argparse.Namespace, **prompt) -> str:
+def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -> str:
     """Stream one reply to stdout; return its text. Stats go to stderr."""
     from m3lm.generate import peak_memory_bytes, stream_generate
 
-    start, first, text, n_prompt, n_gen = time.perf_counter(), None, [], 0, 0
+    start, first, text, n_prompt, n_gen, cached = time.perf_counter(), None, [], 0, 0, 0
     for chunk in stream_generate(
-        model, tokenizer, msa_dense_window=args.msa_dense_window, **prompt, **_sampling(args)
+        model, tokenizer, msa_dense_window=args.msa_dense_window, engine=engine, **prompt, **_sampling(args)
     ):
         first = first or time.perf_counter()
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         text.append(chunk.text)
-        n_prompt, n_gen = chunk.prompt_tokens, chunk.generation_tokens
+        n_prompt, n_gen, cached = chunk.prompt_tokens, chunk.generation_tokens, chunk.cached_tokens
     end = time.perf_counter()
     sys.stdout.write("\n")
     first = first or end
     gen_tps = (n_gen - 1) / (end - first) if n_gen > 1 and end > first else 0.0
     mem = peak_memory_bytes(model.lm_head.weight.device) / 2**30
+    reused = f" ({cached} cached)" if cached else ""
     print(
-        f"prompt: {n_prompt} tokens, {n_prompt / max(first - start, 1e-9):.1f} tok/s | "
+        f"prompt: {n_prompt} tokens{reused}, {(n_prompt - cached) / max(first - start, 1e-9):.1f} tok/s | "
         f"generation: {n_gen} tokens, {gen_tps:.1f} tok/s | peak memory: {mem:.2f} GiB",
         file=sys.stderr,
     )
@@ -147,8 +148,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _chat(model, tokenizer, args: argparse.Namespace) -> int:
+    from m3lm.generate import session_engine
+
     if tokenizer is None or not tokenizer.has_chat_template:
         raise M3lmError(f"{args.model} has no tokenizer with a chat template")
+    # One engine for the whole conversation: each turn's prompt starts on the pages that the
+    # history left in its prefix cache, so only the new message (and the template's tail) is
+    # computed.
+    engine = session_engine(model, tokenizer, args.max_model_len, args.msa_dense_window)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     interactive = sys.stdin.isatty()
@@ -166,9 +173,19 @@ def _chat(model, tokenizer, args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        reply = _stream(
-            model, tokenizer, args, messages=system + history, chat_template_kwargs=_template_kwargs(args)
-        )
+        try:
+            reply = _stream(
+                model,
+                tokenizer,
+                args,
+                engine,
+                messages=system + history,
+                chat_template_kwargs=_template_kwargs(args),
+            )
+        except ValueError as exc:  # the conversation outgrew the context: the turn is dropped
+            history.pop()
+            print(f"error: {exc}; /reset starts a new conversation", file=sys.stderr)
+            continue
         history.append({"role": "assistant", "content": reply})
 
 
@@ -261,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="interactive chat that keeps history")
     _model_args(chat)
+    chat.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens the conversation may hold, prompt and reply (default: 32768, at most the model's)",
+    )
     chat.set_defaults(func=cmd_chat)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("--model", default=None, help="checkpoint directory (default: the embedded story model)")

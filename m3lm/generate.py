@@ -26,6 +26,7 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the engine's prefix cache (`session_engine`)
 
 
 @dataclass
@@ -81,15 +82,63 @@ def stream_generate(
     sampling_params: SamplingParams | None = None,
     msa_dense_window: float | None = None,
     prefill_chunk_size: int = 2048,
+    engine: LLMEngine | None = None,
     **sampling: Any,
 ) -> Iterator[GenerationChunk]:
     """Yield text increments as they are decided. `sampling` takes SamplingParams fields
     (max_tokens, temperature, top_p, top_k, min_p, penalties, seed, stop, stop_token_ids,
-    ignore_eos, logprobs); unset ones default to the checkpoint's generation_config.json."""
+    ignore_eos, logprobs); unset ones default to the checkpoint's generation_config.json.
+
+    Without `engine`, one sized to this prompt runs it; with one (`session_engine`), the prompt
+    starts on the pages its earlier requests left cached (a chat's history is computed once),
+    and a prompt longer than its context raises ValueError before anything runs."""
     ids = prompt_ids(tokenizer, prompt, messages, tools, chat_template_kwargs)
     gen_cfg = getattr(model, "generation_config", {})
     params = sampling_params or SamplingParams.from_generation_config(gen_cfg, **sampling)
-    context = min(len(ids) + params.max_tokens, model.args.max_position_embeddings)
+    if engine is None:
+        context = min(len(ids) + params.max_tokens, model.args.max_position_embeddings)
+        config = EngineConfig(
+            max_num_seqs=1,
+            max_model_len=context,
+            max_num_batched_tokens=prefill_chunk_size,
+            kv_cache_tokens=context,
+            msa_dense_window=msa_dense_window,
+        )
+        engine = LLMEngine(model, tokenizer, config, gen_cfg)
+    elif engine.has_unfinished():
+        raise ValueError("the engine is running another request")
+    seq = engine.add_request(ids, params)
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                yield GenerationChunk(
+                    text=out.new_text,
+                    token_ids=out.new_token_ids,
+                    finish_reason=out.finish_reason,
+                    logprobs=out.new_logprobs,
+                    prompt_tokens=len(seq.prompt_ids),
+                    generation_tokens=len(seq.output_ids),
+                    cached_tokens=seq.num_prefix_cached,
+                )
+    finally:  # a consumer that stops early (or an error) leaves a shared engine idle
+        engine.abort(seq.request_id)
+
+
+SESSION_CONTEXT = 32768  # `session_engine`'s default context, in tokens
+
+
+def session_engine(
+    model: MiniMaxM3,
+    tokenizer=None,
+    max_model_len: int | None = None,
+    msa_dense_window: float | None = None,
+    prefill_chunk_size: int = 2048,
+) -> LLMEngine:
+    """An engine for one request at a time whose prompts share prefixes (a chat REPL): its cache
+    keeps each request's pages after it ends, so `stream_generate(..., engine=...)` computes
+    only what a prompt adds to the longest prefix seen before. It holds max_model_len tokens
+    (default: `SESSION_CONTEXT`, at most the model's), prompt and reply together."""
+    context = min(max_model_len or SESSION_CONTEXT, model.args.max_position_embeddings)
     config = EngineConfig(
         max_num_seqs=1,
         max_model_len=context,
@@ -97,18 +146,7 @@ def stream_generate(
         kv_cache_tokens=context,
         msa_dense_window=msa_dense_window,
     )
-    engine = LLMEngine(model, tokenizer, config, gen_cfg)
-    seq = engine.add_request(ids, params)
-    while engine.has_unfinished():
-        for out in engine.step():
-            yield GenerationChunk(
-                text=out.new_text,
-                token_ids=out.new_token_ids,
-                finish_reason=out.finish_reason,
-                logprobs=out.new_logprobs,
-                prompt_tokens=len(seq.prompt_ids),
-                generation_tokens=len(seq.output_ids),
-            )
+    return LLMEngine(model, tokenizer, config, getattr(model, "generation_config", {}))
 
 
 def generate(

@@ -123,6 +123,70 @@ def test_chat_repl_keeps_history():
     assert r.stderr.count("generation:") == 2
 
 
+def _two_turns():
+    """The chat test's conversation, computed through the Python API: (model, tokenizer, turn 1's
+    prompt ids, its greedy reply of 8 tokens, turn 2's prompt ids)."""
+    import m3lm
+
+    model, tok = m3lm.load(TINY, device="cpu")
+    turn1 = [{"role": "user", "content": "hello"}]
+    first = m3lm.generate(model, tok, messages=turn1, max_tokens=8, temperature=0.0)
+    turn2 = [*turn1, {"role": "assistant", "content": first.text}, {"role": "user", "content": "and then?"}]
+    return model, tok, tok.apply_chat_template(turn1), first, tok.apply_chat_template(turn2)
+
+
+@needs_fixture
+def test_chat_computes_only_what_each_turn_adds():
+    """One engine serves the whole conversation: the second turn's prompt starts on the pages
+    the first turn left cached, as many as its history shares with them in whole pages."""
+    model, _, p1, first, p2 = _two_turns()
+    written = p1 + first.token_ids[:-1]  # the last reply token was never fed back: no cache entry
+    shared = next((k for k, (a, b) in enumerate(zip(p2, written, strict=False)) if a != b), len(written))
+    page = model.args.index_block_size
+    want = min(shared, len(p2) - 1) // page * page  # whole pages; the last prompt token is computed
+    assert want > 0
+    r = cli(
+        "chat",
+        "--model",
+        str(TINY),
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        stdin="hello\nand then?\n/exit\n",
+    )
+    assert r.returncode == 0, r.stderr
+    stats = [line for line in r.stderr.splitlines() if line.startswith("prompt:")]
+    assert len(stats) == 2
+    assert stats[0].startswith(f"prompt: {len(p1)} tokens, ")
+    assert stats[1].startswith(f"prompt: {len(p2)} tokens ({want} cached), ")
+
+
+@needs_fixture
+def test_chat_that_outgrows_its_context_says_so_and_goes_on():
+    """A context that holds the second turn with 2 tokens of reply: the third turn is refused
+    with the reason, and after /reset the conversation starts again."""
+    _, _, _, first, p2 = _two_turns()
+    limit = len(p2) + 2
+    r = cli(
+        "chat",
+        "--model",
+        str(TINY),
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--max-model-len",
+        str(limit),
+        stdin="hello\nand then?\nwhat next?\n/reset\nhello\n/exit\n",
+    )
+    assert r.returncode == 0, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"context holds {limit}" in errors[0] and "/reset" in errors[0]
+    assert r.stderr.count("generation:") == 3  # turns 1, 2 and the one after /reset
+    assert r.stdout.startswith(first.text + "\n") and r.stdout.endswith("\n" + first.text + "\n")
+
+
 def test_default_model_tells_a_story():
     """`m3lm generate --prompt ...` on the embedded model, greedy and sampled."""
     import m3lm

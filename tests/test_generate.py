@@ -267,3 +267,32 @@ def test_prefix_cache_gives_the_same_tokens_and_skips_the_shared_prompt(tiny):
         earlier.append(seq.token_ids[:-1])
         engine.blocks.check()
     assert engine.scheduler.prefix_cached_tokens == total > 0 and engine.blocks.num_idle > 0
+
+
+def test_session_engine_reuses_earlier_prompts_and_stays_usable(tiny):
+    """`stream_generate(..., engine=session_engine(...))`: a prompt that extends an earlier
+    request starts on its cached pages and gives the tokens of a fresh engine; a consumer that
+    stops early leaves the engine idle for the next request; a prompt past its context is refused."""
+    from m3lm.generate import session_engine, stream_generate
+
+    page = tiny.args.index_block_size
+    engine = session_engine(tiny, max_model_len=64)
+    assert engine.max_model_len == 64
+    first = prompt(21, seed=3)
+    got1 = [c for c in stream_generate(tiny, None, first, engine=engine, max_tokens=5, **GREEDY)]
+    out1 = [t for c in got1 for t in c.token_ids]
+    second = first + out1 + prompt(6, seed=4)  # the next turn: history, reply, new message
+    got2 = [c for c in stream_generate(tiny, None, second, engine=engine, max_tokens=5, **GREEDY)]
+    fresh = m3lm.generate(tiny, None, second, max_tokens=5, **GREEDY)
+    assert [t for c in got2 for t in c.token_ids] == fresh.token_ids
+    assert got1[-1].cached_tokens == 0
+    # the first request wrote its prompt and all but its last generated token
+    assert got2[-1].cached_tokens == (len(first) + len(out1) - 1) // page * page > 0
+    stream = stream_generate(tiny, None, prompt(10, seed=9), engine=engine, max_tokens=20, **GREEDY)
+    next(stream)
+    stream.close()  # the consumer stops after one increment
+    assert not engine.has_unfinished()
+    assert len(list(stream_generate(tiny, None, first, engine=engine, max_tokens=3, **GREEDY))) >= 1
+    with pytest.raises(ValueError, match="context holds 64"):
+        next(stream_generate(tiny, None, prompt(64, seed=1), engine=engine, max_tokens=3, **GREEDY))
+    engine.blocks.check()
