@@ -8,7 +8,9 @@ Pure Python over `BlockManager`, so every policy is testable on the CPU:
 - when pages run out, the newest running sequence is preempted: its pages are freed and it
   goes back to the front of the queue to be recomputed later, instead of failing;
 - a sequence admitted from the queue starts on the cached pages of its longest prefix
-  (`BlockManager.match`), so only the rest of its prompt is computed.
+  (`BlockManager.match`), so only the rest of its prompt is computed; one whose next page a
+  running prefill is computing (`BlockManager.awaits`) stays queued until that page is cached,
+  while the sequences behind it are admitted.
 """
 
 from __future__ import annotations
@@ -54,20 +56,26 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 plan.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self.blocks.table(seq.seq_id):  # new or preempted: start on its cached prefix
-                seq.num_cached = self.blocks.match(seq.seq_id, seq.token_ids)
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            # new or preempted (a waiting sequence holds no pages): start on its cached prefix
+            seq.num_cached = self.blocks.match(seq.seq_id, seq.token_ids)
+            if self.blocks.awaits(seq.seq_id, seq.token_ids):
+                self.blocks.free(seq.seq_id)  # a running prefill is computing its next page
+                seq.num_cached = 0
+                continue
             n = min(seq.num_tokens - seq.num_cached, budget)
             if not self.blocks.ensure(seq.seq_id, seq.num_cached + n):
                 self.blocks.free(seq.seq_id)  # its prefix pages wait in the cache meanwhile
                 seq.num_cached = 0
                 break
+            self.blocks.promise(seq.seq_id, seq.token_ids)
             if seq.first_scheduled_time is None:  # first admission
                 seq.num_prefix_cached = seq.num_cached
                 self.prompt_tokens += len(seq.prompt_ids)
                 self.prefix_cached_tokens += seq.num_cached
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.first_scheduled_time = seq.first_scheduled_time or time.perf_counter()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

@@ -296,3 +296,30 @@ def test_session_engine_reuses_earlier_prompts_and_stays_usable(tiny):
     with pytest.raises(ValueError, match="context holds 64"):
         next(stream_generate(tiny, None, prompt(64, seed=1), engine=engine, max_tokens=3, **GREEDY))
     engine.blocks.check()
+
+
+def test_requests_with_one_prompt_arriving_together_compute_it_once(tiny):
+    """n choices of one prompt: the first computes the prompt; the others wait for its pages
+    and compute only the last page, with the same tokens as without the prefix cache."""
+    page = tiny.args.index_block_size
+    p, n = prompt(23, seed=11), 3
+    params = m3lm.SamplingParams(max_tokens=4, **GREEDY)
+    want = run_engine(tiny, [p] * n, params, prefix_caching=False)
+    engine = LLMEngine(tiny, None, EngineConfig())
+    computed: dict[str, int] = {}
+    real_run = engine.runner.run
+
+    def run(plan, tables):
+        for seq, k in plan:
+            computed[seq.request_id] = computed.get(seq.request_id, 0) + k
+        return real_run(plan, tables)
+
+    engine.runner.run = run
+    seqs = [engine.add_request(p, params, request_id=str(i)) for i in range(n)]
+    while engine.has_unfinished():
+        engine.step()
+        engine.blocks.check()
+    assert [s.output_ids for s in seqs] == [want[str(i)] for i in range(n)]
+    cached = (len(p) - 1) // page * page
+    assert [s.num_prefix_cached for s in seqs] == [0] + [cached] * (n - 1)
+    assert [computed[str(i)] for i in range(n)] == [len(p) + 3] + [len(p) - cached + 3] * (n - 1)

@@ -10,8 +10,10 @@ from m3lm.engine.sequence import SeqStatus, Sequence
 from m3lm.scheduler import Scheduler
 
 
-def make_seq(i: int, prompt: int, max_tokens: int) -> Sequence:
-    return Sequence(i, f"r{i}", [1] * prompt, SamplingParams(max_tokens=max_tokens), max_tokens)
+def make_seq(i: int, prompt: int, max_tokens: int, tokens: list[int] | None = None) -> Sequence:
+    """Sequence i with a prompt of its own (no page in common with another's), or of `tokens`."""
+    ids = tokens if tokens is not None else [i + 1] * prompt
+    return Sequence(i, f"r{i}", ids, SamplingParams(max_tokens=max_tokens), max_tokens)
 
 
 def simulate_step(sched: Scheduler, plan) -> list[Sequence]:
@@ -20,6 +22,7 @@ def simulate_step(sched: Scheduler, plan) -> list[Sequence]:
     for seq, n in plan:
         seq.num_cached += n
         assert seq.num_cached <= seq.num_tokens
+        sched.blocks.seal(seq.seq_id, seq.num_cached, seq.tokens)
         if seq.num_cached == seq.num_tokens:
             seq.output_ids.append(7)
             if len(seq.output_ids) >= seq.max_tokens:
@@ -263,4 +266,44 @@ def test_pages_taken_together_are_in_ascending_order():
     compute(bm, 0, a)
     bm.free(0)  # six named pages, cached tail first
     assert bm.ensure(1, 12) and bm.table(1) == list(range(6))  # reclaimed as one ascending run
+    bm.check()
+
+
+def test_a_prompt_waits_for_the_pages_a_running_prefill_computes():
+    """Two requests with one prompt (n choices) arrive together: the second stays queued while
+    the first computes the shared pages, then starts on them; a request behind it with a prompt
+    of its own is not held up."""
+    for budget, steps_waited in ((20, 1), (6, 2)):
+        bm = BlockManager(num_pages=20, page_size=4)
+        sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=budget)
+        shared = list(range(1, 15))  # 3 whole pages and 2 positions
+        a, b, c = make_seq(0, 0, 3, shared), make_seq(1, 0, 3, shared), make_seq(2, 5, 3)
+        for s in (a, b, c):
+            sched.add(s)
+        for _ in range(steps_waited):
+            plan = sched.schedule()
+            assert b not in [s for s, _ in plan] and b.status is SeqStatus.WAITING
+            assert not bm.table(b.seq_id)
+            simulate_step(sched, plan)
+            bm.check()
+        if budget == 20:  # room in the first step for the request behind it
+            assert c.status is SeqStatus.RUNNING
+        plan = dict(sched.schedule())
+        assert b in plan and b.num_prefix_cached == 12 and plan[b] == 2  # the 3 pages a computed
+        assert bm.table(b.seq_id)[:3] == bm.table(a.seq_id)[:3]
+        simulate_step(sched, plan.items())
+        bm.check()
+
+
+def test_a_waiting_prompt_goes_on_when_the_prefill_it_waits_for_ends():
+    bm = BlockManager(num_pages=20, page_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=6)
+    shared = list(range(1, 15))
+    a, b = make_seq(0, 0, 3, shared), make_seq(1, 0, 3, shared)
+    sched.add(a)
+    sched.add(b)
+    simulate_step(sched, sched.schedule())  # a computes 6 positions: one whole page, sealed
+    sched.finish(a, "abort")
+    plan = dict(sched.schedule())
+    assert b in plan and b.num_prefix_cached == 4  # the page a sealed, then b computes the rest
     bm.check()

@@ -11,7 +11,10 @@ starts on the pages that already hold its longest named prefix (`match`), shared
 written again: a sequence writes only at positions past its cache, and only full pages get
 names. A page whose last owner ends keeps its name and contents while nothing needs the room;
 allocation takes unnamed free pages first, then the least recently released named ones, a
-sequence's tail before its head.
+sequence's tail before its head. A sequence admitted to compute pages that no cache holds yet
+promises their names (`promise`); a prompt whose next page is promised waits for it (`awaits`)
+rather than compute it a second time (n choices of one prompt, or requests that arrive together
+with a shared system prompt).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class BlockManager:
         self._pages: dict[bytes, int] = {}  # name -> page
         self._idle: OrderedDict[int, None] = OrderedDict()  # named pages no sequence holds, oldest first
         self._chains: dict[int, list[bytes]] = {}  # seq -> names of its full pages so far
+        self._promised: dict[bytes, int] = {}  # name -> the sequence about to compute that page
+        self._promises: dict[int, list[bytes]] = {}  # seq -> the names it promised
 
     @property
     def num_free(self) -> int:
@@ -86,6 +91,30 @@ class BlockManager:
         self._chains[seq_id] = names
         return len(pages) * self.page_size
 
+    def promise(self, seq_id: int, tokens: list[int]) -> None:
+        """The sequence (started by `match`) is about to compute the full pages of `tokens` past its
+        cached prefix: their names are promised to it until it seals them or ends."""
+        if not self.prefix_caching:
+            return
+        chain = self._chains.get(seq_id, [])
+        name, names = (chain[-1] if chain else b""), []
+        for start in range(len(chain) * self.page_size, len(tokens) - self.page_size + 1, self.page_size):
+            name = page_key(name, tokens[start : start + self.page_size])
+            if name not in self._pages and name not in self._promised:
+                self._promised[name] = seq_id
+                names.append(name)
+        self._promises[seq_id] = names
+
+    def awaits(self, seq_id: int, tokens: list[int]) -> bool:
+        """Whether the page after the sequence's matched prefix (`match`) is one that `match` could
+        take and that another sequence has promised to compute."""
+        chain = self._chains.get(seq_id, [])
+        start = len(chain) * self.page_size
+        if not self.prefix_caching or start + self.page_size >= len(tokens):
+            return False
+        name = page_key(chain[-1] if chain else b"", tokens[start : start + self.page_size])
+        return self._promised.get(name, seq_id) != seq_id
+
     def ensure(self, seq_id: int, tokens: int) -> bool:
         """Grow the sequence's table to hold `tokens` positions; all or nothing."""
         need = self.missing_pages(seq_id, tokens)
@@ -109,6 +138,7 @@ class BlockManager:
             start = len(chain) * self.page_size
             name = page_key(chain[-1] if chain else b"", tokens(start, start + self.page_size))
             chain.append(name)
+            self._promised.pop(name, None)
             page = table[len(chain) - 1]
             if name not in self._pages:  # else another sequence's page holds these contents already
                 self._pages[name], self._names[page] = page, name
@@ -118,6 +148,9 @@ class BlockManager:
         stay cached, tail first in line to be reused. keep=False (a failed sequence) forgets the
         names of the pages it alone held, so that nothing it wrote is reused."""
         self._chains.pop(seq_id, None)
+        for name in self._promises.pop(seq_id, []):
+            if self._promised.get(name) == seq_id:
+                del self._promised[name]
         for page in reversed(self._tables.pop(seq_id, [])):
             self._refs[page] -= 1
             if self._refs[page] > 0:
@@ -138,8 +171,8 @@ class BlockManager:
         return page
 
     def check(self) -> None:
-        """Invariants: every page is free, idle or held (its count = the tables that hold it), and
-        names and pages map one to one."""
+        """Invariants: every page is free, idle or held (its count = the tables that hold it), names
+        and pages map one to one, and promised names belong to live sequences and to no page yet."""
         held: dict[int, int] = {}
         for table in self._tables.values():
             for p in table:
@@ -151,3 +184,5 @@ class BlockManager:
         assert all(p in self._names for p in self._idle)
         assert all(p not in self._names for p in self._free)
         assert {p: n for n, p in self._pages.items()} == self._names
+        assert all(seq in self._tables for seq in self._promised.values())
+        assert not self._promised.keys() & self._pages.keys()
