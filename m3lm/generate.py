@@ -96,15 +96,9 @@ def stream_generate(
     gen_cfg = getattr(model, "generation_config", {})
     params = sampling_params or SamplingParams.from_generation_config(gen_cfg, **sampling)
     if engine is None:
-        context = min(len(ids) + params.max_tokens, model.args.max_position_embeddings)
-        config = EngineConfig(
-            max_num_seqs=1,
-            max_model_len=context,
-            max_num_batched_tokens=prefill_chunk_size,
-            kv_cache_tokens=context,
-            msa_dense_window=msa_dense_window,
+        engine = _one_request_engine(
+            model, tokenizer, len(ids) + params.max_tokens, msa_dense_window, prefill_chunk_size
         )
-        engine = LLMEngine(model, tokenizer, config, gen_cfg)
     elif engine.has_unfinished():
         raise ValueError("the engine is running another request")
     seq = engine.add_request(ids, params)
@@ -138,7 +132,14 @@ def session_engine(
     keeps each request's pages after it ends, so `stream_generate(..., engine=...)` computes
     only what a prompt adds to the longest prefix seen before. It holds max_model_len tokens
     (default: `SESSION_CONTEXT`, at most the model's), prompt and reply together."""
-    context = min(max_model_len or SESSION_CONTEXT, model.args.max_position_embeddings)
+    return _one_request_engine(
+        model, tokenizer, max_model_len or SESSION_CONTEXT, msa_dense_window, prefill_chunk_size
+    )
+
+
+def _one_request_engine(model, tokenizer, context, msa_dense_window, prefill_chunk_size) -> LLMEngine:
+    """An engine for one sequence at a time of up to `context` tokens (at most the model's)."""
+    context = min(context, model.args.max_position_embeddings)
     config = EngineConfig(
         max_num_seqs=1,
         max_model_len=context,

@@ -94,6 +94,11 @@ def test_generate_rejects_a_prompt_longer_than_the_context(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+def chat_cli(stdin: str, *extra: str) -> subprocess.CompletedProcess:
+    """`m3lm chat` on the tiny fixture, greedy, 8 tokens a reply, fed `stdin`."""
+    return cli("chat", "--model", str(TINY), "--max-tokens", "8", "--temperature", "0", *extra, stdin=stdin)
+
+
 @needs_fixture
 def test_chat_repl_keeps_history():
     import m3lm
@@ -108,16 +113,7 @@ def test_chat_repl_keeps_history():
         {"role": "user", "content": "and then?"},
     ]
     second = m3lm.generate(model, tok, messages=history, max_tokens=8, temperature=0.0)
-    r = cli(
-        "chat",
-        "--model",
-        str(TINY),
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-        stdin="hello\nand then?\n/exit\n",
-    )
+    r = chat_cli("hello\nand then?\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{first.text}\n{second.text}\n"
     assert r.stderr.count("generation:") == 2
@@ -145,16 +141,7 @@ def test_chat_computes_only_what_each_turn_adds():
     page = model.args.index_block_size
     want = min(shared, len(p2) - 1) // page * page  # whole pages; the last prompt token is computed
     assert want > 0
-    r = cli(
-        "chat",
-        "--model",
-        str(TINY),
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-        stdin="hello\nand then?\n/exit\n",
-    )
+    r = chat_cli("hello\nand then?\n/exit\n")
     assert r.returncode == 0, r.stderr
     stats = [line for line in r.stderr.splitlines() if line.startswith("prompt:")]
     assert len(stats) == 2
@@ -168,18 +155,7 @@ def test_chat_that_outgrows_its_context_says_so_and_goes_on():
     with the reason, and after /reset the conversation starts again."""
     _, _, _, first, p2 = _two_turns()
     limit = len(p2) + 2
-    r = cli(
-        "chat",
-        "--model",
-        str(TINY),
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--max-model-len",
-        str(limit),
-        stdin="hello\nand then?\nwhat next?\n/reset\nhello\n/exit\n",
-    )
+    r = chat_cli("hello\nand then?\nwhat next?\n/reset\nhello\n/exit\n", "--max-model-len", str(limit))
     assert r.returncode == 0, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"context holds {limit}" in errors[0] and "/reset" in errors[0]

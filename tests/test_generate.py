@@ -41,6 +41,20 @@ def run_engine(model, prompts, params, **config) -> dict[str, list[int]]:
     return out
 
 
+def count_computed(engine: LLMEngine) -> dict[str, int]:
+    """Positions the engine's runner computes, per request id, as it runs (filled in place)."""
+    computed: dict[str, int] = {}
+    real_run = engine.runner.run
+
+    def run(plan, tables):
+        for seq, n in plan:
+            computed[seq.request_id] = computed.get(seq.request_id, 0) + n
+        return real_run(plan, tables)
+
+    engine.runner.run = run
+    return computed
+
+
 @pytest.mark.parametrize("fixture", golden_params())
 @pytest.mark.parametrize("chunk", [2048, 1, 5, 8])
 def test_greedy_matches_golden(fixture, chunk):
@@ -244,15 +258,7 @@ def test_prefix_cache_gives_the_same_tokens_and_skips_the_shared_prompt(tiny):
     params = m3lm.SamplingParams(max_tokens=6, **GREEDY)
     want = run_engine(tiny, prompts, params, prefix_caching=False)
     engine = LLMEngine(tiny, None, EngineConfig())
-    computed: dict[str, int] = {}
-    real_run = engine.runner.run
-
-    def run(plan, tables):
-        for seq, n in plan:
-            computed[seq.request_id] = computed.get(seq.request_id, 0) + n
-        return real_run(plan, tables)
-
-    engine.runner.run = run
+    computed = count_computed(engine)
     earlier: list[list[int]] = []  # what earlier requests left in the cache: all but their last token
     total = 0
     for i, p in enumerate(prompts):  # one after another, so each finds what the earlier ones left
@@ -306,15 +312,7 @@ def test_requests_with_one_prompt_arriving_together_compute_it_once(tiny):
     params = m3lm.SamplingParams(max_tokens=4, **GREEDY)
     want = run_engine(tiny, [p] * n, params, prefix_caching=False)
     engine = LLMEngine(tiny, None, EngineConfig())
-    computed: dict[str, int] = {}
-    real_run = engine.runner.run
-
-    def run(plan, tables):
-        for seq, k in plan:
-            computed[seq.request_id] = computed.get(seq.request_id, 0) + k
-        return real_run(plan, tables)
-
-    engine.runner.run = run
+    computed = count_computed(engine)
     seqs = [engine.add_request(p, params, request_id=str(i)) for i in range(n)]
     while engine.has_unfinished():
         engine.step()
