@@ -427,3 +427,20 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(client, live):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     wait_idle(live.engine)
     assert metric(live, "m3lm:prefix_cache_hits_total") - hits == 2 * cached
+
+
+def test_the_choices_of_one_request_compute_its_prompt_once(client, live):
+    """n = 3 on a prompt no request has sent: the first choice computes it (past the chat
+    template's head, which earlier requests left cached), the other two wait for its pages and
+    find them all cached (the hits metric); greedy, so all three agree."""
+    page = live.engine.engine.blocks.page_size
+    msgs = [{"role": "user", "content": "a lantern, a map and a boat on the quiet lake " * 6}]
+    wait_idle(live.engine)
+    hits = metric(live, "m3lm:prefix_cache_hits_total")
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, n=3, temperature=0)
+    assert len({c.message.content for c in r.choices}) == 1
+    whole = (r.usage.prompt_tokens - 1) // page * page  # all the pages a prompt can find cached
+    first = r.usage.prompt_tokens_details.cached_tokens  # the fewest any choice found: the first's
+    assert first < whole
+    wait_idle(live.engine)
+    assert metric(live, "m3lm:prefix_cache_hits_total") - hits == first + 2 * whole
