@@ -267,6 +267,8 @@ def _default_model(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from m3lm.generate import SESSION_CONTEXT
+
     parser = argparse.ArgumentParser(prog="m3lm", description="Run MiniMax-M3 models.")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -282,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-model-len",
         type=int,
         default=None,
-        help="tokens the conversation may hold, prompt and reply (default: 32768, at most the model's)",
+        help=f"tokens the conversation may hold, prompt and reply (default: {SESSION_CONTEXT}, at most the model's)",
     )
     chat.set_defaults(func=cmd_chat)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
