@@ -86,6 +86,20 @@ def client(live):
 MSG = [{"role": "user", "content": "once upon a time"}]
 
 
+def stream_chat(client, messages, max_tokens: int) -> list:
+    """Every chunk of a greedy streamed chat completion, the usage chunk last."""
+    return list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+
+
 def wait_idle(engine, timeout=10.0):
     blocks = engine.engine.blocks
     deadline = time.time() + timeout
@@ -98,16 +112,7 @@ def test_chat_stream_concatenates_to_the_whole_reply(client, live):
     whole = client.chat.completions.create(model=NAME, messages=MSG, max_tokens=12, temperature=0)
     text = whole.choices[0].message.content
     assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
-    chunks = list(
-        client.chat.completions.create(
-            model=NAME,
-            messages=MSG,
-            max_tokens=12,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+    chunks = stream_chat(client, MSG, 12)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert all(c.usage is None for c in chunks[:-1])
@@ -414,16 +419,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(client, live):
         > first.usage.prompt_tokens_details.cached_tokens
     )
     assert second.choices[0].message.content == first.choices[0].message.content
-    chunks = list(
-        client.chat.completions.create(
-            model=NAME,
-            messages=msgs,
-            max_tokens=3,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+    chunks = stream_chat(client, msgs, 3)
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     wait_idle(live.engine)
     assert metric(live, "m3lm:prefix_cache_hits_total") - hits == 2 * cached
