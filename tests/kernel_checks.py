@@ -93,11 +93,14 @@ def prefill_kernel():
             # the next block's keys, then masked): the same products bit for bit.
             tma = msa_prefill_attention(q, kk, vv, pos, 0.3, block_ids, s, config=cfg, tma=True)
             assert torch.equal(tma, out)
-            # Tiles of consecutive queries instead of grouped ones: each row's arithmetic is the same.
+            # Tiles of consecutive queries instead of grouped ones: each row's arithmetic is the
+            # same (bit for bit on the GPU, `test_cuda.py`); the interpreter's products go through
+            # NumPy's matmul, which may round a row by an ulp or so according to its place in the
+            # tile, so here within a tolerance far below what a misplaced query would cost.
             plain = msa_prefill_attention(
                 q, kk, vv, pos, 0.3, block_ids, s, config=cfg, tma=False, grouped=False
             )
-            assert torch.equal(plain, out)
+            close(plain, out, 1e-4)
 
 
 def prefill_selection():
