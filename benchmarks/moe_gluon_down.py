@@ -29,8 +29,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from benchmarks.step_energy import Energy, per_call
-from m3lm.bench import build_slice, prefill_step
+from benchmarks.step_energy import Energy, capture, per_call
+from m3lm.bench import build_slice
 from m3lm.kernels import moe_triton as mt
 from m3lm.layers.moe import route, router_logits
 
@@ -185,12 +185,7 @@ def layer1_inputs():
     """(x [T, C], weights [T, A], ids [T, A], w1, w3, w2, alpha, limit) of layer 1's MoE in one 8k step."""
     model = build_slice(4)
     moe = model.model.layers[1].block_sparse_moe
-    seen = {}
-    hook = moe.register_forward_hook(lambda mod, inp, out: seen.setdefault("x", inp[0].detach().clone()))
-    prefill_step(model, 8192)()
-    torch.cuda.synchronize()
-    hook.remove()
-    x = seen["x"]
+    x = capture(model, 8192)[1]["moe"]
     with torch.inference_mode():
         weights, ids = route(
             router_logits(x, moe.gate.weight, moe._router_split(x)), moe.e_score_correction_bias, 4
