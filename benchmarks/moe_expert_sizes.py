@@ -21,7 +21,8 @@ import argparse
 import torch
 
 from benchmarks.moe_gluon_down import layer1_inputs
-from benchmarks.step_energy import Energy, per_call
+from benchmarks.step_energy import per_call
+from m3lm.gpu_meter import GpuMeter
 from m3lm.kernels import moe_triton as mt
 from m3lm.kernels.fused import swiglu_packed
 
@@ -33,7 +34,7 @@ def main() -> None:
     x, weights, ids, w1, w3, w2, alpha, limit = layer1_inputs()
     t, a = ids.shape
     e, width, c = w1.shape
-    meter = Energy(torch.cuda.current_device())
+    meter = GpuMeter.open()
     flat, scale = ids.flatten(), weights.flatten().float()
     token = torch.arange(t * a, device=ids.device) // a  # [M] the token of each pair
     counts = torch.bincount(flat, minlength=e).tolist()

@@ -29,8 +29,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from benchmarks.step_energy import Energy, capture, per_call
+from benchmarks.step_energy import capture, per_call
 from m3lm.bench import build_slice
+from m3lm.gpu_meter import GpuMeter
 from m3lm.kernels import moe_triton as mt
 from m3lm.layers.moe import route, router_logits
 
@@ -199,7 +200,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=2.0)
     args = p.parse_args()
-    meter = Energy(torch.cuda.current_device())
+    meter = GpuMeter.open()
     x, weights, ids, w1, w3, w2, alpha, limit = layer1_inputs()
     t, a = ids.shape
     large = torch.arange(a, device=ids.device).expand(t, a).contiguous()

@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python3 benchmarks/prefill_power.py [--layers 4] [--length 8192] [--rounds 3]
     PYTHONPATH=. python3 benchmarks/prefill_power.py --kernels
+    PYTHONPATH=. python3 benchmarks/prefill_power.py --heat 60,120,240
     ncu ... --profile-from-start off python3 benchmarks/prefill_power.py --one-step
 
 `m3lm bench` times steps back to back (each case after half a second of the same steps), as a
@@ -12,8 +13,12 @@ median SM clock and the highest power nvidia-smi saw in each phase, and the shar
 with the software power cap as a clock event. `--kernels` instead records the kernels of ten
 steps back to back and of ten steps each after a pause of 0.3 s (PyTorch's profiler, CUPTI
 timestamps) and prints each kind's device time per step in both, to show which kernels the
-power cap slows. `--one-step` runs one step between cudaProfilerStart / Stop after warm-up
-(for Nsight Compute) and exits.
+power cap slows. `--heat S1,S2,..` times the step (median of ten after half a second of
+steps) and the captured batch-1 decode step at context 4096 with its embedding + norm + lm_head
+part (memory-bound, far below the power limit), first on the GPU as it starts, then after S1,
+S2, .. seconds more of steps back to back, with the GPU's temperature, mean power and SM clock
+(`m3lm.gpu_meter`): whether a warm GPU runs them slower. `--one-step` runs one step between
+cudaProfilerStart / Stop after warm-up (for Nsight Compute) and exits.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from m3lm.bench import build_slice, event_ms, prefill_step
+from m3lm.bench import _measure, bench_decode, build_slice, event_ms, prefill_step
 
 SMI = [
     "nvidia-smi",
@@ -99,6 +104,24 @@ def kernel_table(step) -> None:
     print(f"| all | {b:.2f} | {r:.2f} | {b / r:.2f} |", flush=True)
 
 
+def heat(model, step, soaks: list[float]) -> None:
+    """The step and the decode step, cold and after each soak of steps back to back."""
+    soaked = 0.0
+    for soak in [0.0, *soaks]:
+        t0 = time.time()
+        while time.time() - t0 < soak:
+            step()
+        torch.cuda.synchronize()
+        soaked += soak
+        ms, gpu = _measure(step, 10, gpu=True)
+        dec = bench_decode(model, 1, 4096, 10)
+        print(
+            f"after {soaked:.0f} s of steps: prefill {ms:.2f} ms ({gpu}); decode B=1 ctx=4096 "
+            f"{dec.ms:.3f} ms, embedding+norm+lm_head {dec.parts['head']:.3f} ms ({dec.gpu})",
+            flush=True,
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
@@ -106,8 +129,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--one-step", action="store_true")
     p.add_argument("--kernels", action="store_true")
+    p.add_argument("--heat", type=lambda v: [float(x) for x in v.split(",")], default=None)
     args = p.parse_args()
-    step = prefill_step(build_slice(args.layers), args.length)
+    model = build_slice(args.layers)
+    step = prefill_step(model, args.length)
+    if args.heat is not None:
+        heat(model, step, args.heat)
+        return
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -17,7 +17,6 @@ T * 4 / E pairs an expert, no padding) and, for comparison, as PyTorch's grouped
 from __future__ import annotations
 
 import argparse
-import ctypes
 import time
 
 import torch
@@ -26,26 +25,12 @@ import m3lm.kernels.msa as msa
 import m3lm.kernels.msa_prefill_triton as mp
 import m3lm.models.minimax_m3 as mm
 from m3lm.bench import build_slice, prefill_step
+from m3lm.gpu_meter import GpuMeter
 from m3lm.kernels import moe_triton as mt
 from m3lm.layers.moe import route, router_logits
 
 
-class Energy:
-    """The GPU's energy counter since the driver loaded, in joules (NVML)."""
-
-    def __init__(self, index: int = 0):
-        self.nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        self.nvml.nvmlInit_v2()
-        self.handle = ctypes.c_void_p()
-        self.nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle))
-
-    def joules(self) -> float:
-        mj = ctypes.c_ulonglong()
-        self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(mj))
-        return mj.value / 1e3
-
-
-def per_call(meter: Energy, fn, seconds: float) -> tuple[float, float, float]:
+def per_call(meter: GpuMeter, fn, seconds: float) -> tuple[float, float, float]:
     """(ms, J, W) per call of fn, called back to back for `seconds` after 0.5 s of warm-up."""
     t_end = time.time() + 0.5
     while time.time() < t_end:
@@ -108,7 +93,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seconds", type=float, default=1.5)
     args = p.parse_args()
-    meter = Energy()
+    meter = GpuMeter.open()
     model = build_slice(args.layers)
     step, seen = capture(model, args.length)
     moe = model.model.layers[1].block_sparse_moe

@@ -2,10 +2,14 @@
 
 The slice has the release's exact text dimensions and N layers (layer 0 dense MLP + full
 attention, the rest MoE + MSA), random bf16 weights built directly on the GPU. Decode steps are
-timed as captured CUDA graph replays (the engine's decode path); prefill as one packed forward.
-Each row reports ms, tok/s, the bytes the step must read at least, GB/s and the fraction of the
-floor (bytes at the measured copy bandwidth). With `--compare-transformers` the transformers
-implementation runs on a slice of the same dimensions in the same process.
+timed as captured CUDA graph replays (the engine's decode path); prefill as one packed forward,
+back to back for a second after a half-second warm-up (a busy server: the H200 then runs at its
+power limit and slows its SM clock), and in a note one step at a time after the GPU idled (a
+prompt reaching an idle GPU). Each row reports ms, tok/s, the bytes the step must read at
+least, GB/s and the fraction of the floor (bytes at the measured copy bandwidth); a note gives
+the GPU's power, temperature and SM clock over each case (`gpu_meter`). With
+`--compare-transformers` the transformers implementation runs on a slice of the same dimensions
+in the same process.
 
 `--quant bf16,mxfp8` times the same slice with bf16 weights, then with the weights quantised to
 MXFP8 (the release's scheme) and kept in 8 bits. For each decode case it also times the parts
@@ -27,6 +31,7 @@ from m3lm.cache.kv_cache import KVCache, PagedKV
 from m3lm.config import parse_config
 from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.engine.cuda_graphs import DecodeGraphs
+from m3lm.gpu_meter import GpuMeter, GpuState
 from m3lm.layers.linear import weight_bytes
 from m3lm.layers.rotary import rope_cos_sin
 from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_, release_config
@@ -71,6 +76,8 @@ class Row:
     flops: float
     ref_ms: float | None = None
     parts: dict | None = None  # decode: ms of the head and of one layer of each kind
+    rested_ms: float | None = None  # prefill: one step after the GPU idled (`rested_ms`)
+    gpu: GpuState | None = None  # over the case's calls (warm-up and timed), where NVML answers
 
     @property
     def floor_ms(self) -> float:
@@ -138,8 +145,9 @@ def _fill(cache: KVCache, gen: torch.Generator) -> None:
         t.normal_(0.0, 1.0, generator=gen)
 
 
-WARMUP_S = 0.5  # each case runs this long before it is timed, so that it starts from its own clock
-# and power state, not the one the case before left (a prefill drops the SM clock for a while)
+WARMUP_S = 0.5  # each case runs three calls (its kernels compile), then this long before it is timed,
+# so that it starts from its own clock and power state, not the one the case before left (a
+# prefill drops the SM clock for a while)
 
 
 def event_ms(fn) -> float:
@@ -153,14 +161,40 @@ def event_ms(fn) -> float:
 
 
 def _time(fn, iters: int) -> float:
+    """Median ms of `iters` calls of fn, each between CUDA events, after WARMUP_S of calls."""
+    return _measure(fn, iters)[0]
+
+
+def _measure(fn, iters: int, gpu: bool = False, seconds: float = 0.0) -> tuple[float, GpuState | None]:
+    """`_time`'s ms, over at least `iters` timed calls and `seconds`, and with `gpu` the GPU's
+    state over the warm-up's last WARMUP_S and the timed calls (`gpu_meter`; None where NVML does
+    not answer). The first three calls, which may compile kernels while the GPU idles, are not in
+    that window nor in the warm-up's time."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    meter = GpuMeter.open() if gpu else None
+    window = meter.window() if meter else None
     start, calls = time.perf_counter(), 0
-    while calls < 3 or time.perf_counter() - start < WARMUP_S:
+    while time.perf_counter() - start < WARMUP_S:
         fn()
         calls += 1
         if calls % 8 == 0:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    times = [event_ms(fn) for _ in range(iters)]
+    times, start = [], time.perf_counter()
+    while len(times) < iters or time.perf_counter() - start < seconds:
+        times.append(event_ms(fn))
+    return sorted(times)[len(times) // 2], window.close() if window else None
+
+
+def rested_ms(fn, samples: int = 3, pause: float = 0.5) -> float:
+    """Median ms of single calls, each after `pause` seconds with the GPU idle."""
+    times = []
+    for _ in range(samples):
+        torch.cuda.synchronize()
+        time.sleep(pause)
+        times.append(event_ms(fn))
     return sorted(times)[len(times) // 2]
 
 
@@ -217,6 +251,14 @@ def parts_line(case: str, step_ms: float, parts: dict, n_layers: int) -> str:
     )
 
 
+def rested_line(row: Row) -> str:
+    return (
+        f"{row.case}: {row.rested_ms:.3f} ms ({row.tokens / row.rested_ms * 1e3:,.0f} tok/s) a step "
+        f"after 0.5 s with the GPU idle (median of 3); the table's {row.ms:.3f} ms is the step back "
+        "to back, at the power limit"
+    )
+
+
 def captured_decode(model: MiniMaxM3, cache: KVCache, batch: int, pages: int, ctx: int):
     """The engine's captured decode step for `batch` sequences of `pages` pages at position ctx - 1,
     run once: (the DecodeGraphs that own it, the CUDA graph to replay)."""
@@ -233,7 +275,7 @@ def bench_decode(model: MiniMaxM3, batch: int, ctx: int, iters: int) -> Row:
     cache = KVCache(model.args, batch * pages + 1, "cuda", torch.bfloat16)
     _fill(cache, torch.Generator(device="cuda").manual_seed(1))
     graphs, graph = captured_decode(model, cache, batch, pages, ctx)
-    ms = _time(graph.replay, iters)
+    ms, gpu = _measure(graph.replay, iters, gpu=True)
     del graphs
     parts = decode_parts(model, cache, batch, pages, ctx, iters)
     del cache
@@ -245,6 +287,7 @@ def bench_decode(model: MiniMaxM3, batch: int, ctx: int, iters: int) -> Row:
         _weights_bytes(model, batch) + _kv_bytes(model, batch, ctx),
         flops,
         parts=parts,
+        gpu=gpu,
     )
     return row
 
@@ -266,8 +309,16 @@ def prefill_step(model: MiniMaxM3, length: int):
     return step
 
 
+PREFILL_SECONDS = 1.0  # prefill steps are timed back to back for at least this long: under the
+# power limit the SM clock swings from step to step, and the median of a few steps swings with it
+
+
 def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
-    ms = _time(prefill_step(model, length), iters)
+    """The prefill step back to back (the median over PREFILL_SECONDS after the warm-up: a server
+    busy with prefills), and one step at a time after the GPU idled (a prompt reaching an idle GPU)."""
+    step = prefill_step(model, length)
+    ms, gpu = _measure(step, iters, gpu=True, seconds=PREFILL_SECONDS)
+    rested = rested_ms(step)
     a = model.args
 
     def keys(window: int) -> float:  # sum over queries t of the keys attended, min(t + 1, window)
@@ -281,7 +332,8 @@ def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
         + lm_head
         + 4 * attn * a.num_attention_heads * a.head_dim
     )
-    return Row(f"prefill B=1 T={length}", ms, length, _weights_bytes(model, length), flops)
+    case = f"prefill B=1 T={length}"
+    return Row(case, ms, length, _weights_bytes(model, length), flops, gpu=gpu, rested_ms=rested)
 
 
 def _gb(sizes: dict[str, int]) -> str:
@@ -327,6 +379,8 @@ def run(args) -> tuple[list[Row], list[str]]:
             rows.append(bench_prefill(model, t, max(3, args.iters // 5)))
             rows[-1].case += tag
             print(" | ".join(rows[-1].cells()), flush=True)
+            notes.append(rested_line(rows[-1]))
+            print(notes[-1], flush=True)
         if quant == quants[0]:
             first_rows = rows[first:]
             for t in args.attention:
@@ -343,6 +397,13 @@ def run(args) -> tuple[list[Row], list[str]]:
             speed = layers_ms[("bf16", b, ctx)] / layers_ms[("mxfp8", b, ctx)]
             notes.append(f"decode B={b} ctx={ctx}: decoder layers bf16 / mxfp8 = {speed:.2f}x")
         print("\n".join(notes[-1 - len(args.decode) :]), flush=True)
+    measured = [r for r in rows if r.gpu]
+    if measured:
+        notes.append(
+            "GPU per case (power: mean over the case's warm-up and timed calls; temperature and SM "
+            "clock at their end): " + "; ".join(f"{r.case}: {r.gpu}" for r in measured)
+        )
+        print(notes[-1], flush=True)
     cfg = release_slice_config(args.layers)
     del model
     torch.cuda.empty_cache()
@@ -382,12 +443,14 @@ def markdown(rows: list[Row], command: str, notes: list[str] = ()) -> str:
         "transformers ms",
         "speed-up",
     ]
+    meter = GpuMeter.open()
+    limit = f" (power limit {meter.power_limit_w():.0f} W)" if meter else ""
     lines = [
         f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         f"Command: `{command}`",
         "",
-        f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        f"Device: {torch.cuda.get_device_name()}{limit}, torch {torch.__version__}",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
