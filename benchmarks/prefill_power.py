@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 benchmarks/prefill_power.py [--layers 4] [--length 8192] [--rounds 3]
     PYTHONPATH=. python3 benchmarks/prefill_power.py --kernels
     PYTHONPATH=. python3 benchmarks/prefill_power.py --heat 60,120,240
+    TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=. python3 benchmarks/prefill_power.py --protocols
     ncu ... --profile-from-start off python3 benchmarks/prefill_power.py --one-step
 
 `m3lm bench` times steps back to back (each case after half a second of the same steps), as a
@@ -17,7 +18,10 @@ power cap slows. `--heat S1,S2,..` times the step (median of ten after half a se
 steps) and the captured batch-1 decode step at context 4096 with its embedding + norm + lm_head
 part (memory-bound, far below the power limit), first on the GPU as it starts, then after S1,
 S2, .. seconds more of steps back to back, with the GPU's temperature, mean power and SM clock
-(`m3lm.gpu_meter`): whether a warm GPU runs them slower. `--one-step` runs one step between
+(`m3lm.gpu_meter`): whether a warm GPU runs them slower. `--protocols` times the step as
+`m3lm bench` did before its warm-up left out the compiling calls (first in the process: with an
+empty Triton cache, its steps follow the compilation's idle GPU), as the bench does now, after
+20 s back to back, and one step at a time after 0.5 and 2 s idle. `--one-step` runs one step between
 cudaProfilerStart / Stop after warm-up (for Nsight Compute) and exits.
 """
 
@@ -32,7 +36,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from m3lm.bench import _measure, bench_decode, build_slice, event_ms, prefill_step
+from m3lm.bench import PREFILL_SECONDS, WARMUP_S, _measure, bench_decode, build_slice, event_ms, prefill_step
+from m3lm.bench import rested_ms as rested
+from m3lm.gpu_meter import GpuMeter
 
 SMI = [
     "nvidia-smi",
@@ -122,6 +128,45 @@ def heat(model, step, soaks: list[float]) -> None:
         )
 
 
+def counted_warmup(step, iters: int = 3) -> str:
+    """The bench's timing before its warm-up left out the first calls: WARMUP_S or three calls,
+    whichever lasts longer, the compiling calls counted, then the median of `iters`."""
+    start, calls = time.perf_counter(), 0
+    while calls < 3 or time.perf_counter() - start < WARMUP_S:
+        step()
+        calls += 1
+        if calls % 8 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - start
+    times = [event_ms(step) for _ in range(iters)]
+    return f"{statistics.median(times):.2f} ms (steps {', '.join(f'{t:.2f}' for t in times)}; warm-up {calls} calls in {warm:.1f} s)"
+
+
+def protocols(step) -> None:
+    meter = GpuMeter.open()
+    print(f"warm-up counting the compiling calls, first in the process: {counted_warmup(step)}", flush=True)
+    time.sleep(5)
+    print(f"the same after 5 s idle: {counted_warmup(step)}", flush=True)
+    for iters, seconds in ((3, 0.0), (10, 0.0), (3, PREFILL_SECONDS)):
+        time.sleep(5)
+        ms, gpu = _measure(step, iters, gpu=True, seconds=seconds)
+        print(
+            f"after 5 s idle, the bench's warm-up, then {iters} steps over >= {seconds} s: {ms:.2f} ms ({gpu})"
+        )
+    t0 = time.time()
+    while time.time() - t0 < 20:
+        step()
+    ms, gpu = _measure(step, 10, gpu=True)
+    print(f"after 20 s back to back, the bench's warm-up, then 10 steps: {ms:.2f} ms ({gpu})", flush=True)
+    for pause in (0.5, 2.0):
+        print(
+            f"one step at a time after {pause} s idle: {rested(step, 5, pause):.2f} ms (median of 5)",
+            flush=True,
+        )
+    print(f"{meter.temperature_c()} C at the end" if meter else "", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
@@ -130,11 +175,15 @@ def main() -> None:
     p.add_argument("--one-step", action="store_true")
     p.add_argument("--kernels", action="store_true")
     p.add_argument("--heat", type=lambda v: [float(x) for x in v.split(",")], default=None)
+    p.add_argument("--protocols", action="store_true")
     args = p.parse_args()
     model = build_slice(args.layers)
     step = prefill_step(model, args.length)
     if args.heat is not None:
         heat(model, step, args.heat)
+        return
+    if args.protocols:
+        protocols(step)
         return
     for _ in range(3):
         step()
