@@ -15,14 +15,14 @@ with the software power cap as a clock event. `--kernels` instead records the ke
 steps back to back and of ten steps each after a pause of 0.3 s (PyTorch's profiler, CUPTI
 timestamps) and prints each kind's device time per step in both, to show which kernels the
 power cap slows. `--heat S1,S2,..` times the step (median of ten after half a second of
-steps) and the captured batch-1 decode step at context 4096 with its embedding + norm + lm_head
-part (memory-bound, far below the power limit), first on the GPU as it starts, then after S1,
-S2, .. seconds more of steps back to back, with the GPU's temperature, mean power and SM clock
-(`m3lm.gpu_meter`): whether a warm GPU runs them slower. `--protocols` times the step as
-`m3lm bench` did before its warm-up left out the compiling calls (first in the process: with an
-empty Triton cache, its steps follow the compilation's idle GPU), as the bench does now, after
-20 s back to back, and one step at a time after 0.5 and 2 s idle. `--one-step` runs one step between
-cudaProfilerStart / Stop after warm-up (for Nsight Compute) and exits.
+steps) and the captured batch-1 decode step at context 4096 with its embedding + norm +
+lm_head part (memory-bound, far below the power limit), first on the GPU as it starts, then
+after S1, S2, .. seconds more of steps back to back, with the GPU's temperature, mean power and
+SM clock (`m3lm.gpu_meter`): whether a warm GPU runs them slower. `--protocols` times the step
+as `m3lm bench` did before its warm-up left out the compiling calls (first in the process: with
+an empty Triton cache, its steps follow the compilation's idle GPU), as the bench does now,
+after 20 s back to back, and one step at a time after 0.5 and 2 s idle. `--one-step` runs one
+step between cudaProfilerStart / Stop after warm-up (for Nsight Compute) and exits.
 """
 
 from __future__ import annotations
@@ -152,7 +152,8 @@ def protocols(step) -> None:
         time.sleep(5)
         ms, gpu = _measure(step, iters, gpu=True, seconds=seconds)
         print(
-            f"after 5 s idle, the bench's warm-up, then {iters} steps over >= {seconds} s: {ms:.2f} ms ({gpu})"
+            f"after 5 s idle, the bench's warm-up, then {iters} steps over >= {seconds} s: {ms:.2f} ms ({gpu})",
+            flush=True,
         )
     t0 = time.time()
     while time.time() - t0 < 20:
