@@ -202,18 +202,6 @@ def merged_tails():
         )
         kept += [h, y]
         close(y.view(t, a, c).sum(1), want)
-    # The blocked weight layouts give the same products bit for bit; blocks of 16 with tiles of
-    # 32 x 32, so a tile spans two blocks each way.
-    for layout in (moe_triton.chunk_k, moe_triton.tile_k):
-        w1c, w3c, w2c = (layout(w, 16) for w in (w1, w3, w2))
-        for tail in (32, 0):
-            h = moe_triton.gate_up(x, w1, w3, t * a, a, aligned, 1.702, 7.0, 64, cfg, halves=True, tail=tail)
-            hc = moe_triton.gate_up(
-                x, w1c, w3c, t * a, a, aligned, 1.702, 7.0, 64, cfg, halves=True, tail=tail
-            )
-            assert torch.equal(h, hc)
-            args = (t * a, a, aligned, True, weights.flatten(), torch.float32, 64, cfg, True, tail)
-            assert torch.equal(moe_triton.grouped_gemm(h, w2, *args), moe_triton.grouped_gemm(h, w2c, *args))
 
 
 @triton.jit

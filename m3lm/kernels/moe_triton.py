@@ -276,23 +276,10 @@ def _rows_tile(a_ptr, rows, valid, kk, s_am, KDIM: tl.constexpr, COLUMNS: tl.con
 
 
 @triton.jit
-def _w_tile(w_ptr, e, offs_n, kk, s_we, s_wn, s_wc, N: tl.constexpr, KDIM: tl.constexpr, CH: tl.constexpr):
-    """w[e, offs_n, kk] as [BK, BN] (zeros past N and KDIM), from [E, N, K] (CH = 0: s_wn the row
-    stride) or from a blocked layout (`chunk_k`, `tile_k`) whose CH x CH blocks are contiguous:
-    s_wn the stride of CH rows, s_wc of CH columns."""
-    if CH == 0:
-        off = e * s_we + offs_n[None, :] * s_wn + kk[:, None]
-    else:
-        rows = (offs_n // CH) * s_wn + (offs_n % CH) * CH
-        off = e * s_we + rows[None, :] + (kk // CH)[:, None] * s_wc + (kk % CH)[:, None]
-    return tl.load(w_ptr + off, mask=(offs_n[None, :] < N) & (kk[:, None] < KDIM), other=0.0)
-
-
-@triton.jit
 def _gemm_rows(
-    a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, start, pid_n, M, TOP_K, s_am, s_we, s_wn, s_wc, s_cm,
-    N: tl.constexpr, KDIM: tl.constexpr, CH: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr,
-    PREC: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, start, pid_n, M, TOP_K, s_am, s_we, s_wn, s_cm,
+    N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
+    R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """c[pair] (times scale[pair]) for the R slots from `start`, outputs pid_n*BN.. of expert e."""
     pairs, valid, rows = _slot_rows(sorted_ptr, start, M, TOP_K, R, PAIR_ROWS)
@@ -302,7 +289,11 @@ def _gemm_rows(
     for k0 in range(0, KDIM, BK):
         kk = k0 + offs_k
         a = _rows_tile(a_ptr, rows, valid, kk, s_am, KDIM, False)
-        w = _w_tile(w_ptr, e, offs_n, kk, s_we, s_wn, s_wc, N, KDIM, CH)
+        w = tl.load(
+            w_ptr + e * s_we + offs_n[None, :] * s_wn + kk[:, None],
+            mask=(offs_n[None, :] < N) & (kk[:, None] < KDIM),
+            other=0.0,
+        )
         acc += tl.dot(a, w, out_dtype=tl.float32, input_precision=PREC)
     if SCALE:
         acc = acc * tl.load(scale_ptr + pairs, mask=valid, other=0.0)[:, None]
@@ -312,9 +303,9 @@ def _gemm_rows(
 
 @triton.jit
 def _gemm_merged(
-    a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, start, pid_n, M, TOP_K, s_am, s_we, s_wn, s_wc, s_cm,
-    N: tl.constexpr, KDIM: tl.constexpr, CH: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr,
-    PREC: tl.constexpr, R: tl.constexpr, T: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, start, pid_n, M, TOP_K, s_am, s_we, s_wn, s_cm,
+    N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
+    R: tl.constexpr, T: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """`_gemm_rows` for the R slots from `start` and the T slots after them (the expert's short
     last block), the second as w @ a.T ([BN, T]: the tensor cores' narrow side holds the rows)."""
@@ -326,9 +317,14 @@ def _gemm_merged(
     acc_t = tl.zeros([BN, T], tl.float32)
     for k0 in range(0, KDIM, BK):
         kk = k0 + offs_k
+        k_ok = kk < KDIM
         a = _rows_tile(a_ptr, rows, valid, kk, s_am, KDIM, False)  # [R, BK]
         a_t = _rows_tile(a_ptr, t_rows, t_valid, kk, s_am, KDIM, True)  # [BK, T]
-        w = _w_tile(w_ptr, e, offs_n, kk, s_we, s_wn, s_wc, N, KDIM, CH)  # [BK, BN]
+        w = tl.load(
+            w_ptr + e * s_we + offs_n[None, :] * s_wn + kk[:, None],
+            mask=(offs_n[None, :] < N) & k_ok[:, None],
+            other=0.0,
+        )  # [BK, BN]
         acc += tl.dot(a, w, out_dtype=tl.float32, input_precision=PREC)
         acc_t += tl.dot(tl.trans(w), a_t, out_dtype=tl.float32, input_precision=PREC)
     if SCALE:
@@ -345,9 +341,9 @@ def _gemm_merged(
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, ends_ptr, scale_ptr,
     M, TOP_K,
-    s_am, s_we, s_wn, s_wc, s_cm,
-    N: tl.constexpr, KDIM: tl.constexpr, CH: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr,
-    PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
+    s_am, s_we, s_wn, s_cm,
+    N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
     HALVES: tl.constexpr, TAIL: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, rows, e = _program(
@@ -360,24 +356,23 @@ def _moe_gemm_kernel(
         skip, t = _tail(sorted_ptr, ends_ptr, e, pid_m, M, BM, TAIL)
         if skip:
             return
-    args = (a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, pid_m * BM, pid_n, M, TOP_K, s_am, s_we, s_wn, s_wc, s_cm)  # fmt: skip
+    args = (a_ptr, w_ptr, c_ptr, sorted_ptr, scale_ptr, e, pid_m * BM, pid_n, M, TOP_K, s_am, s_we, s_wn, s_cm)  # fmt: skip
     if TAIL >= 16 and t == 16:
-        _gemm_merged(*args, N, KDIM, CH, PAIR_ROWS, SCALE, PREC, BM, 16, BN, BK)
+        _gemm_merged(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM, 16, BN, BK)
     elif TAIL >= 32 and t == 32:
-        _gemm_merged(*args, N, KDIM, CH, PAIR_ROWS, SCALE, PREC, BM, 32, BN, BK)
+        _gemm_merged(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM, 32, BN, BK)
     elif TAIL >= 64 and t == 64:
-        _gemm_merged(*args, N, KDIM, CH, PAIR_ROWS, SCALE, PREC, BM, 64, BN, BK)
+        _gemm_merged(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM, 64, BN, BK)
     elif HALVES and rows < BM:
-        _gemm_rows(*args, N, KDIM, CH, PAIR_ROWS, SCALE, PREC, BM // 2, BN, BK)
+        _gemm_rows(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM // 2, BN, BK)
     else:
-        _gemm_rows(*args, N, KDIM, CH, PAIR_ROWS, SCALE, PREC, BM, BN, BK)
+        _gemm_rows(*args, N, KDIM, PAIR_ROWS, SCALE, PREC, BM, BN, BK)
 
 
 @triton.jit
 def _gate_up_rows(
-    a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, start, pid_n, M, TOP_K, alpha, limit, s_am, s_we, s_wn, s_wc,
-    s_hm, N: tl.constexpr, KDIM: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr,
+    a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, start, pid_n, M, TOP_K, alpha, limit, s_am, s_we, s_wn, s_hm,
+    N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """h[pair] = swiglu(a[token] @ w1[e].T, a[token] @ w3[e].T) for the R slots from `start`."""
     pairs, valid, rows = _slot_rows(sorted_ptr, start, M, TOP_K, R, False)
@@ -388,10 +383,14 @@ def _gate_up_rows(
     for k0 in range(0, KDIM, BK):
         kk = k0 + offs_k
         a = _rows_tile(a_ptr, rows, valid, kk, s_am, KDIM, False)
-        w1 = _w_tile(w1_ptr, e, offs_n, kk, s_we, s_wn, s_wc, N, KDIM, CH)
-        w3 = _w_tile(w3_ptr, e, offs_n, kk, s_we, s_wn, s_wc, N, KDIM, CH)
-        gate += tl.dot(a, w1, out_dtype=tl.float32, input_precision=PREC)
-        up += tl.dot(a, w3, out_dtype=tl.float32, input_precision=PREC)
+        w_off = e * s_we + offs_n[None, :] * s_wn + kk[:, None]
+        w_ok = (offs_n[None, :] < N) & (kk[:, None] < KDIM)
+        gate += tl.dot(
+            a, tl.load(w1_ptr + w_off, mask=w_ok, other=0.0), out_dtype=tl.float32, input_precision=PREC
+        )
+        up += tl.dot(
+            a, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), out_dtype=tl.float32, input_precision=PREC
+        )
     h = _swiglu(gate, up, alpha, limit)
     out = h_ptr + pairs[:, None].to(tl.int64) * s_hm + offs_n[None, :]
     tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
@@ -406,9 +405,9 @@ def _swiglu(gate, up, alpha, limit):
 
 @triton.jit
 def _gate_up_merged(
-    a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, start, pid_n, M, TOP_K, alpha, limit, s_am, s_we, s_wn, s_wc,
-    s_hm, N: tl.constexpr, KDIM: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr,
-    T: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, start, pid_n, M, TOP_K, alpha, limit, s_am, s_we, s_wn, s_hm,
+    N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr, T: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):  # fmt: skip
     """`_gate_up_rows` for the R slots from `start` and the T slots after them, the second as
     w @ a.T ([BN, T]) with the same weight tiles (`_gemm_merged`)."""
@@ -422,10 +421,13 @@ def _gate_up_merged(
     up_t = tl.zeros([BN, T], tl.float32)
     for k0 in range(0, KDIM, BK):
         kk = k0 + offs_k
+        k_ok = kk < KDIM
         a = _rows_tile(a_ptr, rows, valid, kk, s_am, KDIM, False)  # [R, BK]
         a_t = _rows_tile(a_ptr, t_rows, t_valid, kk, s_am, KDIM, True)  # [BK, T]
-        w1 = _w_tile(w1_ptr, e, offs_n, kk, s_we, s_wn, s_wc, N, KDIM, CH)  # [BK, BN]
-        w3 = _w_tile(w3_ptr, e, offs_n, kk, s_we, s_wn, s_wc, N, KDIM, CH)
+        w_off = e * s_we + offs_n[None, :] * s_wn + kk[:, None]
+        w_ok = (offs_n[None, :] < N) & k_ok[:, None]
+        w1 = tl.load(w1_ptr + w_off, mask=w_ok, other=0.0)  # [BK, BN]
+        w3 = tl.load(w3_ptr + w_off, mask=w_ok, other=0.0)
         gate += tl.dot(a, w1, out_dtype=tl.float32, input_precision=PREC)
         up += tl.dot(a, w3, out_dtype=tl.float32, input_precision=PREC)
         gate_t += tl.dot(tl.trans(w1), a_t, out_dtype=tl.float32, input_precision=PREC)
@@ -449,8 +451,8 @@ def _gate_up_merged(
 def _moe_gate_up_kernel(
     a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, used_ptr, ends_ptr,
     M, TOP_K, alpha, limit,
-    s_am, s_we, s_wn, s_wc, s_hm,
-    N: tl.constexpr, KDIM: tl.constexpr, CH: tl.constexpr, PREC: tl.constexpr,
+    s_am, s_we, s_wn, s_hm,
+    N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGN_M: tl.constexpr, GROUP_M: tl.constexpr,
     HALVES: tl.constexpr, TAIL: tl.constexpr,
 ):  # fmt: skip
@@ -467,45 +469,15 @@ def _moe_gate_up_kernel(
             return
     args = (a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, pid_m * BM, pid_n, M, TOP_K, alpha, limit)
     if TAIL >= 16 and t == 16:
-        _gate_up_merged(*args, s_am, s_we, s_wn, s_wc, s_hm, N, KDIM, CH, PREC, BM, 16, BN, BK)
+        _gate_up_merged(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, 16, BN, BK)
     elif TAIL >= 32 and t == 32:
-        _gate_up_merged(*args, s_am, s_we, s_wn, s_wc, s_hm, N, KDIM, CH, PREC, BM, 32, BN, BK)
+        _gate_up_merged(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, 32, BN, BK)
     elif TAIL >= 64 and t == 64:
-        _gate_up_merged(*args, s_am, s_we, s_wn, s_wc, s_hm, N, KDIM, CH, PREC, BM, 64, BN, BK)
+        _gate_up_merged(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, 64, BN, BK)
     elif HALVES and rows < BM:
-        _gate_up_rows(*args, s_am, s_we, s_wn, s_wc, s_hm, N, KDIM, CH, PREC, BM // 2, BN, BK)
+        _gate_up_rows(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM // 2, BN, BK)
     else:
-        _gate_up_rows(*args, s_am, s_we, s_wn, s_wc, s_hm, N, KDIM, CH, PREC, BM, BN, BK)
-
-
-def chunk_k(w: torch.Tensor, ch: int = 64) -> torch.Tensor:
-    """An expert stack [E, N, K] in the k-chunked layout [E, K / ch, N, ch]: the BN x ch slice of
-    the weights that a program reads in one K step is one contiguous run instead of BN runs of
-    ch values, one per weight row. The kernels take any layout here (`_weight_dims`)."""
-    e, n, k = w.shape
-    assert k % ch == 0 and ch & (ch - 1) == 0, (k, ch)
-    return w.view(e, n, k // ch, ch).permute(0, 2, 1, 3).contiguous()
-
-
-def tile_k(w: torch.Tensor, ch: int = 64) -> torch.Tensor:
-    """[E, N, K] as contiguous ch x ch tiles, row blocks outermost: [E, N / ch, K / ch, ch, ch], so
-    that a program's slice of ch rows is one contiguous run over the whole of K."""
-    e, n, k = w.shape
-    assert n % ch == 0 and k % ch == 0 and ch & (ch - 1) == 0, (n, k, ch)
-    return w.view(e, n // ch, ch, k // ch, ch).permute(0, 1, 3, 2, 4).contiguous()
-
-
-def _weight_dims(w: torch.Tensor) -> tuple[int, int, int, int, int, int]:
-    """(N, K, expert stride, s_wn, s_wc, CH) of an expert stack for `_w_tile`: [E, N, K] (CH = 0),
-    `chunk_k`'s [E, K / CH, N, CH] or `tile_k`'s [E, N / CH, K / CH, CH, CH]."""
-    assert w.stride(-1) == 1, w.stride()
-    if w.dim() == 3:
-        return w.shape[1], w.shape[2], w.stride(0), w.stride(1), 0, 0
-    if w.dim() == 4:
-        _, chunks, n, ch = w.shape
-        return n, chunks * ch, w.stride(0), ch * ch, w.stride(1), ch
-    _, blocks, chunks, ch, _ = w.shape
-    return blocks * ch, chunks * ch, w.stride(0), w.stride(1), w.stride(2), ch
+        _gate_up_rows(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, BN, BK)
 
 
 def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tuple]]:
@@ -569,15 +541,14 @@ def gate_up(
     """SwiGLU activations [M, I] of every token-expert pair (x.dtype). halves: `_block`'s
     half-height tiles (default: `_halves`); tail: `_tail`'s merged short blocks (default:
     `MERGED_TAIL`'s with halves, 0 without)."""
-    n, kdim, s_we, s_wn, s_wc, ch = _weight_dims(w1)
-    assert w3.shape == w1.shape and w3.stride() == w1.stride(), (w1.shape, w3.shape)
+    n, kdim = w1.shape[1], w1.shape[2]
     h = torch.empty(m, n, device=x.device, dtype=x.dtype)
     bn, bk, warps, stages, group = config
     halves = _halves(aligned, block_m) if halves is None else halves
     _moe_gate_up_kernel[(row_blocks(aligned, m, block_m) * triton.cdiv(n, bn),)](
         x, w1, w3, h, *aligned, m, top_k, alpha, limit,
-        x.stride(0), s_we, s_wn, s_wc, h.stride(0),
-        N=n, KDIM=kdim, CH=ch, PREC=precision(x), BM=block_m, BN=bn, BK=bk, ALIGN_M=_align_m(aligned, block_m),
+        x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
+        N=n, KDIM=kdim, PREC=precision(x), BM=block_m, BN=bn, BK=bk, ALIGN_M=_align_m(aligned, block_m),
         GROUP_M=group, HALVES=halves, TAIL=_merged_tail("gate_up", halves, aligned, block_m, tail), num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
@@ -600,15 +571,15 @@ def grouped_gemm(
 ):
     """c[pair] = a[row of pair] @ w[expert of pair].T (times scale[pair]) -> [M, N]. halves, tail:
     as `gate_up`'s."""
-    n, kdim, s_we, s_wn, s_wc, ch = _weight_dims(w)
+    n, kdim = w.shape[1], w.shape[2]
     halves = _halves(aligned, block_m) if halves is None else halves
     c = torch.empty(m, n, device=a.device, dtype=out_dtype or a.dtype)
     bn, bk, warps, stages, group = config
     grid = (row_blocks(aligned, m, block_m) * triton.cdiv(n, bn),)
     _moe_gemm_kernel[grid](
         a, w, c, *aligned, scale if scale is not None else c,
-        m, top_k, a.stride(0), s_we, s_wn, s_wc, c.stride(0),
-        N=n, KDIM=kdim, CH=ch, PAIR_ROWS=pair_rows, PREC=precision(a), SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
+        m, top_k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        N=n, KDIM=kdim, PAIR_ROWS=pair_rows, PREC=precision(a), SCALE=scale is not None, BM=block_m, BN=bn, BK=bk,
         ALIGN_M=_align_m(aligned, block_m), GROUP_M=group, HALVES=halves,
         TAIL=_merged_tail("down", halves, aligned, block_m, tail), num_warps=warps, num_stages=stages,
     )  # fmt: skip
