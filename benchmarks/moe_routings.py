@@ -56,6 +56,13 @@ def spread(tokens: int, gen: torch.Generator) -> torch.Tensor:
     return torch.stack([(A * perms[j] + j) % E for j in range(A)], 1)
 
 
+def random_experts(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random bf16 expert stacks of the release's shapes: w1, w3 [E, 3072, 6144], w2 [E, 6144, 3072]."""
+    w1, w3 = ((torch.randn(E, 3072, 6144, device="cuda", generator=gen) * 0.02).bfloat16() for _ in range(2))
+    w2 = (torch.randn(E, 6144, 3072, device="cuda", generator=gen) * 0.02).bfloat16()
+    return w1, w3, w2
+
+
 def tails(sizes: list[int], w1, w3, w2, alpha, limit, seconds: float) -> None:
     meter = GpuMeter.open()
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -90,11 +97,7 @@ def main() -> None:
     args = p.parse_args()
     if args.tails is not None:  # random weights of the release's shapes suffice here
         gen = torch.Generator(device="cuda").manual_seed(0)
-        w1, w3 = (
-            (torch.randn(E, 3072, 6144, device="cuda", generator=gen) * 0.02).bfloat16() for _ in range(2)
-        )
-        w2 = (torch.randn(E, 6144, 3072, device="cuda", generator=gen) * 0.02).bfloat16()
-        tails(args.tails, w1, w3, w2, 1.702, 7.0, args.seconds)
+        tails(args.tails, *random_experts(gen), 1.702, 7.0, args.seconds)
         return
     x, weights, ids_bench, w1, w3, w2, alpha, limit = layer1_inputs()
     meter = GpuMeter.open()
