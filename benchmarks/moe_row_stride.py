@@ -10,8 +10,8 @@ same memory channels and cache sets. Padding a row by `pad` values changes that 
 nothing else (the kernels take any row stride). Each row: gate/up and down back to back for a
 second, rounds alternating the pads, outputs checked bit for bit; `--step` times the 8k prefill
 of the bench slice back to back (`m3lm bench`'s protocol) with its experts' weights re-laid in
-place. Not run yet (see `benchmarks/NOTES.md`, "What is left"); its results belong in
-`benchmarks/results/moe_core_h200.md`.
+place. Results: `benchmarks/results/moe_core_h200.md`, "The experts' weight rows padded" (no
+pad helps; the engine keeps unpadded rows).
 """
 
 from __future__ import annotations
