@@ -15,12 +15,17 @@ of that merged path (`MODE`):
 - 1: no tail work (its rows stored as zeros): the price of the merged programs' other work;
 - 2: the tail's two products on a constant zero tile instead of its gathered token rows: the
   products without their loads;
-- 3: the gathered rows and the gate product only (up's tail left at zero): one product of two.
+- 3: the gathered rows and the gate product only (up's tail left at zero): one product of two;
+- 4: as the engine, and every other whole block of the expert multiplies the same short block
+  too, storing nothing (outputs equal to the engine's): whether the merged programs cost most by
+  falling behind the programs that share their weight tiles, which then no longer find those
+  tiles in L2 (Nsight Compute: 10.4 GB read from DRAM at 256 pairs an expert, 17.2 GB at 257).
 
 Differences between the rows place the short block's cost in its loads or its products (the
 record's model says the products, which read the weight tile again from shared memory:
-`benchmarks/results/moe_core_h200.md`). `--once` runs each routing's kernel twice (the first
-call compiles) for a profiler. Results in `moe_core_h200.md`.
+`benchmarks/results/moe_core_h200.md`). `--once` runs each call once more after the first
+(which compiles and checks), for a profiler; `--bench` adds layer 1's routing of the bench slice (engine, modes
+0 and 4). Results in `moe_core_h200.md`.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.moe_gluon_down import layer1_inputs
 from benchmarks.moe_routings import A, E, T, random_experts, spread
 from benchmarks.step_energy import per_call
 from m3lm.gpu_meter import GpuMeter
@@ -46,11 +52,12 @@ ALPHA, LIMIT = 1.702, 7.0
 def _merged_variant(
     a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, start, pid_n, M, TOP_K, alpha, limit, s_am, s_we, s_wn, s_hm,
     N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr, T: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, MODE: tl.constexpr,
+    BK: tl.constexpr, MODE: tl.constexpr, tail_start, store_tail,
 ):  # fmt: skip
-    """`moe_triton._gate_up_merged` with parts of the tail's work left out (MODE, above)."""
+    """`moe_triton._gate_up_merged` with parts of the tail's work left out (MODE, above); the
+    short block's slots from `tail_start`, stored only with `store_tail`."""
     pairs, valid, rows = _slot_rows(sorted_ptr, start, M, TOP_K, R, False)
-    tails, t_valid, t_rows = _slot_rows(sorted_ptr, start, M, TOP_K, T, False, R)
+    tails, t_valid, t_rows = _slot_rows(sorted_ptr, tail_start, M, TOP_K, T, False)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     gate = tl.zeros([R, BN], tl.float32)
@@ -67,10 +74,10 @@ def _merged_variant(
         w3 = tl.load(w3_ptr + w_off, mask=w_ok, other=0.0)
         gate += tl.dot(a, w1, out_dtype=tl.float32, input_precision=PREC)
         up += tl.dot(a, w3, out_dtype=tl.float32, input_precision=PREC)
-        if MODE == 0 or MODE == 3:
+        if MODE == 0 or MODE == 3 or MODE == 4:
             a_t = _rows_tile(a_ptr, t_rows, t_valid, kk, s_am, KDIM, True)  # [BK, T]
             gate_t += tl.dot(tl.trans(w1), a_t, out_dtype=tl.float32, input_precision=PREC)
-            if MODE == 0:
+            if MODE != 3:
                 up_t += tl.dot(tl.trans(w3), a_t, out_dtype=tl.float32, input_precision=PREC)
         if MODE == 2:
             zero = tl.zeros([BK, T], a.dtype)
@@ -87,8 +94,24 @@ def _merged_variant(
     tl.store(
         h_ptr + tails[None, :].to(tl.int64) * s_hm + offs_n[:, None],
         h_t.to(h_ptr.dtype.element_ty),
-        mask=t_valid[None, :] & n_ok[:, None],
+        mask=t_valid[None, :] & n_ok[:, None] & store_tail,
     )
+
+
+@triton.jit
+def _tail_everywhere(sorted_ptr, ends_ptr, e, pid_m, M, BM: tl.constexpr, TAIL: tl.constexpr):
+    """`moe_triton._tail` for MODE 4: (skip, T, the short block's first slot, store) where every
+    whole block of an expert whose last block is merged takes T (only the last one stores)."""
+    end = tl.load(ends_ptr + e) // BM
+    first = tl.load(ends_ptr + e - 1, mask=e > 0, other=0) // BM
+    last = (end - 1) * BM
+    skip = (pid_m == end - 1) & (pid_m > first) & (tl.load(sorted_ptr + last + TAIL) >= M)
+    t = 0
+    if (pid_m < end - 1) & (end - 1 > first):
+        t = tl.where(tl.load(sorted_ptr + last + TAIL) >= M, TAIL, 0)
+        t = tl.where(tl.load(sorted_ptr + last + 32) >= M, 32, t)
+        t = tl.where(tl.load(sorted_ptr + last + 16) >= M, 16, t)
+    return skip, t, last, pid_m == end - 2
 
 
 @triton.jit
@@ -106,16 +129,21 @@ def _moe_gate_up_variant(
     )
     if rows == 0:
         return
-    skip, t = _tail(sorted_ptr, ends_ptr, e, pid_m, M, BM, TAIL)
+    if MODE == 4:
+        skip, t, tail_start, store = _tail_everywhere(sorted_ptr, ends_ptr, e, pid_m, M, BM, TAIL)
+    else:
+        skip, t = _tail(sorted_ptr, ends_ptr, e, pid_m, M, BM, TAIL)
+        tail_start, store = pid_m * BM + BM, True
     if skip:
         return
     args = (a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, pid_m * BM, pid_n, M, TOP_K, alpha, limit)
+    tail = (tail_start, store)
     if t == 16:
-        _merged_variant(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, 16, BN, BK, MODE)
+        _merged_variant(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, 16, BN, BK, MODE, *tail)
     elif t == 32:
-        _merged_variant(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, 32, BN, BK, MODE)
+        _merged_variant(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, 32, BN, BK, MODE, *tail)
     elif t == 64:
-        _merged_variant(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, 64, BN, BK, MODE)
+        _merged_variant(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM, 64, BN, BK, MODE, *tail)
     elif rows < BM:
         _gate_up_rows(*args, s_am, s_we, s_wn, s_hm, N, KDIM, PREC, BM // 2, BN, BK)
     else:
@@ -136,23 +164,27 @@ def variant(x, w1, w3, m, aligned, block_m, config, mode: int) -> torch.Tensor:
     return h
 
 
-def calls(t: int, w1, w3, gen) -> dict[str, object]:
-    """Every expert at 256 + t pairs: the engine's gate/up and the variants, checked."""
-    tokens = E // A * (T * A // E + t)
-    x = torch.randn(tokens, w1.shape[2], device="cuda", dtype=torch.bfloat16, generator=gen)
-    ids = spread(tokens, gen)
-    m = tokens * A
+def calls(x, ids, w1, w3, modes=range(5)) -> dict[str, object]:
+    """The engine's gate/up on (x, ids) and the variants, those meant to be exact checked."""
+    m = ids.numel()
     (block_m, config), _ = mt.tiles(m, x.dtype)
     aligned = mt.align(ids, E, block_m)
     engine = partial(mt.gate_up, x, w1, w3, m, A, aligned, ALPHA, LIMIT, block_m, config)
     out = {"engine": engine}
     want = engine()
-    for mode in range(4):
+    for mode in modes:
         fn = partial(variant, x, w1, w3, m, aligned, block_m, config, mode)
-        if mode == 0:
-            assert torch.equal(fn(), want), "variant 0 differs from the engine's kernel"
+        if mode in (0, 4):
+            assert torch.equal(fn(), want), f"variant {mode} differs from the engine's kernel"
         out[f"mode {mode}"] = fn
     return out
+
+
+def even(t: int, w1, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, ids) with every expert at 256 + t pairs of independently drawn random tokens."""
+    tokens = E // A * (T * A // E + t)
+    x = torch.randn(tokens, w1.shape[2], device="cuda", dtype=torch.bfloat16, generator=gen)
+    return x, spread(tokens, gen)
 
 
 def main() -> None:
@@ -160,27 +192,31 @@ def main() -> None:
     p.add_argument("--tails", type=lambda v: [int(x) for x in v.split(",")], default=[1, 64])
     p.add_argument("--seconds", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--once", action="store_true", help="each routing's engine kernel twice, for a profiler")
+    p.add_argument("--once", action="store_true", help="each call once more, for a profiler")
+    p.add_argument("--bench", action="store_true", help="also layer 1's routing of the bench slice")
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     w1, w3, _ = random_experts(gen)
-    routings = {t: calls(t, w1, w3, gen) for t in [0, *args.tails]}
-    if args.once:
+    routings = {f"256 + {t} pairs an expert": calls(*even(t, w1, gen), w1, w3) for t in [0, *args.tails]}
+    if args.bench:
+        x, _, ids, b1, b3, *_ = layer1_inputs()
+        routings["bench slice layer 1"] = calls(x, ids, b1, b3, modes=(0, 4))
+    if args.once:  # each call has run once (compiled, checked); once more, in this order
         for t, fns in routings.items():
-            for _ in range(2):
-                fns["engine"]()
-            torch.cuda.synchronize()
-            print(f"256 + {t}: engine kernel run twice", flush=True)
+            for name, fn in fns.items():
+                fn()
+                torch.cuda.synchronize()
+                print(f"{t}: {name} run once more", flush=True)
         return
     meter = GpuMeter.open()
     for r in range(args.rounds):
         for t, fns in routings.items():
             for name, fn in fns.items():
-                if t == 0 and name != "engine":
+                if t.startswith("256 + 0 ") and name != "engine":
                     continue  # no short blocks: the variants are the engine's kernel
                 ms, j, w = per_call(meter, fn, args.seconds)
                 print(
-                    f"round {r} 256 + {t} pairs an expert, {name}: {ms:.3f} ms {j:.3f} J {w:.0f} W",
+                    f"round {r} {t}, {name}: {ms:.3f} ms {j:.3f} J {w:.0f} W",
                     flush=True,
                 )
 
