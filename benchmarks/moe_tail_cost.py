@@ -54,6 +54,14 @@ ALPHA, LIMIT = 1.702, 7.0
 
 
 @triton.jit
+def _store_columns(h_ptr, pairs, ok, offs_n, n_ok, gate, up, alpha, limit, s_hm):
+    """h[pairs] = swiglu(gate, up) from [BN, P] tiles (one pair a column), where ok."""
+    h = _swiglu(gate, up, alpha, limit)
+    out = h_ptr + pairs[None, :].to(tl.int64) * s_hm + offs_n[:, None]
+    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=ok[None, :] & n_ok[:, None])
+
+
+@triton.jit
 def _merged_variant(
     a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, e, start, pid_n, M, TOP_K, alpha, limit, s_am, s_we, s_wn, s_hm,
     N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr, R: tl.constexpr, T: tl.constexpr, BN: tl.constexpr,
@@ -95,12 +103,7 @@ def _merged_variant(
         h.to(h_ptr.dtype.element_ty),
         mask=valid[:, None] & n_ok[None, :],
     )
-    h_t = _swiglu(gate_t, up_t, alpha, limit)
-    tl.store(
-        h_ptr + tails[None, :].to(tl.int64) * s_hm + offs_n[:, None],
-        h_t.to(h_ptr.dtype.element_ty),
-        mask=t_valid[None, :] & n_ok[:, None] & store_tail,
-    )
+    _store_columns(h_ptr, tails, t_valid & store_tail, offs_n, n_ok, gate_t, up_t, alpha, limit, s_hm)
 
 
 @triton.jit
@@ -137,18 +140,8 @@ def _merged_regs(
             gate_t += tl.dot(w1, a_t, out_dtype=tl.float32, input_precision=PREC)
             up_t += tl.dot(w3, a_t, out_dtype=tl.float32, input_precision=PREC)
     n_ok = offs_n < N
-    h = _swiglu(gate, up, alpha, limit)
-    tl.store(
-        h_ptr + pairs[None, :].to(tl.int64) * s_hm + offs_n[:, None],
-        h.to(h_ptr.dtype.element_ty),
-        mask=valid[None, :] & n_ok[:, None],
-    )
-    h_t = _swiglu(gate_t, up_t, alpha, limit)
-    tl.store(
-        h_ptr + tails[None, :].to(tl.int64) * s_hm + offs_n[:, None],
-        h_t.to(h_ptr.dtype.element_ty),
-        mask=t_valid[None, :] & n_ok[:, None] & store_tail,
-    )
+    _store_columns(h_ptr, pairs, valid, offs_n, n_ok, gate, up, alpha, limit, s_hm)
+    _store_columns(h_ptr, tails, t_valid & store_tail, offs_n, n_ok, gate_t, up_t, alpha, limit, s_hm)
 
 
 @triton.jit
