@@ -101,6 +101,12 @@ def prefill_kernel():
                 q, kk, vv, pos, 0.3, block_ids, s, config=cfg, tma=False, grouped=False
             )
             close(plain, out, 1e-4)
+            # A compare and select per score on every step instead of masks by row (whole steps
+            # before the tile's first query): the same arithmetic on every kept score.
+            scored = msa_prefill_attention(
+                q, kk, vv, pos, 0.3, block_ids, s, config=cfg, tma=False, row_masks=False
+            )
+            assert torch.equal(scored, out)
 
 
 def prefill_selection():

@@ -455,6 +455,10 @@ def test_prefill_kernel_matches_reference(dtype, h, k, d, s, topk, tk, t):
         # Consecutive queries in a tile instead of grouped ones: each row's arithmetic is the same.
         plain = msa_prefill_attention(q, kk, vv, pos, d**-0.5, block_ids, s, tma=False, grouped=False)
         assert torch.equal(plain, out)
+        # A compare and select per score on every step instead of masks by row: the same bits.
+        assert torch.equal(
+            msa_prefill_attention(q, kk, vv, pos, d**-0.5, block_ids, s, tma=False, row_masks=False), out
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

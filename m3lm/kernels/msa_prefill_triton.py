@@ -5,7 +5,8 @@ One program takes BQ queries of one KV group (BQ x G rows: every query head of t
 the key blocks its queries selected, listed ahead of time per tile (`msa_tiles.tile_blocks`:
 sorted, deduplicated, with a bit per query and union slot), BN keys a step (64: half a block, so
 that two programs share an SM and one's softmax runs under the other's matrix products). Rows
-whose query did not select a block, and keys in a query's future, are masked; the last block's
+whose query did not select a block, and keys in a query's future, are masked: by row (a bias in
+the exponent) on steps before the tile's first query, by score on the others; the last block's
 steps past the tile's last query are skipped. Softmax is online in fp32, as in flash attention,
 so nothing of size [T, Tk] exists. Adjacent queries of a trained model select mostly the same
 blocks, so the union stays close to k blocks and the work close to the exact sparse product.
@@ -37,14 +38,17 @@ SCORE_BUDGET = 1 << 26  # fp32 block scores held at once by `msa_select`
 
 @triton.jit
 def _attend_block(
-    j, n_iter, q, bits, blocks_ptr, k_ptr, v_ptr, k_desc, v_desc, kh, s_kt, s_kh, row_ok, pos, tk, qk_scale,
-    m_i, l_i, acc, offs_d, D: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr,
-    SPARSE: tl.constexpr, W: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    j, n_iter, q, bits, blocks_ptr, k_ptr, v_ptr, k_desc, v_desc, kh, s_kt, s_kh, row_ok, pos, pos_min, tk,
+    qk_scale, m_i, l_i, acc, offs_d, D: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr,
+    SPARSE: tl.constexpr, W: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, ROW_MASKS: tl.constexpr,
 ):  # fmt: skip
     """Keys BN at a time: sub-block j % NSUB of the (j // NSUB)-th block of the tile's list, into
     the online softmax of every row. `bits`: each row's word of `tile_blocks`' bits (W = 1) or
     pointers to its words. TMA: K and V rows come by tensor-memory copies ([Tk, K*D] descriptors;
-    rows past Tk read as zeros) instead of per-thread loads."""
+    rows past Tk read as zeros) instead of per-thread loads. ROW_MASKS: a step whose keys every
+    row sees up to its own position (all but a tile's last blocks) masks whole rows, by a bias of
+    0 or -inf folded into the exponent's multiply-add, instead of a compare and select per score;
+    the outputs are the same bit for bit."""
     i = j // NSUB
     live = j < n_iter
     if SPARSE:
@@ -54,7 +58,8 @@ def _attend_block(
     else:
         blk = i
         take = row_ok
-    offs_s = (j % NSUB) * BN + tl.arange(0, BN)  # offsets inside the block
+    sub = (j % NSUB) * BN
+    offs_s = sub + tl.arange(0, BN)  # offsets inside the block
     key_pos = blk * S + offs_s
     key_ok = live & (offs_s < S) & (key_pos < tk)
     d_ok = offs_d[None, :] < D
@@ -67,12 +72,16 @@ def _attend_block(
         kb = tl.load(k_ptr + kv, mask=key_ok[:, None] & d_ok, other=0.0)
         vb = tl.load(v_ptr + kv, mask=key_ok[:, None] & d_ok, other=0.0)
     s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32, input_precision=PREC)  # [RP, BN]
-    # A row keeps the keys it chose, up to its own position: one compare per score.
-    lim = tl.where(take, pos, -1)  # [RP] the last key each row keeps
-    s = tl.where(tl.where(key_ok, key_pos, _FAR)[None, :] <= lim[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # running max, in log2 units
+    bias = tl.where(take, 0.0, float("-inf"))  # [RP]
+    last_key = blk * S + sub + BN - 1
+    edge = ~live | (sub + BN > S) | (last_key >= tk) | (last_key > pos_min)
+    if edge or not ROW_MASKS:
+        # A row keeps the keys it chose, up to its own position: one compare per score.
+        lim = tl.where(take, pos, -1)  # [RP] the last key each row keeps
+        s = tl.where(tl.where(key_ok, key_pos, _FAR)[None, :] <= lim[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale + bias)  # running max, in log2 units
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s * qk_scale - m_safe[:, None])
+    p = tl.exp2(s * qk_scale + (bias - m_safe)[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, out_dtype=tl.float32, input_precision=PREC)
@@ -87,6 +96,7 @@ def _prefill_kernel(
     G: tl.constexpr, BQ: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     S: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, SPARSE: tl.constexpr, ORDERED: tl.constexpr,
     MAX_ITERS: tl.constexpr, DYNAMIC: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+    ROW_MASKS: tl.constexpr,
 ):  # fmt: skip
     NSUB: tl.constexpr = (S + BN - 1) // BN  # key sub-blocks per block
     tile = tl.program_id(0)
@@ -123,6 +133,7 @@ def _prefill_kernel(
         bits = row_ok  # unused
     # The last block's sub-blocks past the tile's last query are skipped.
     n_iter = tl.where(count > 0, (count - 1) * NSUB + tl.minimum((last - top * S) // BN + 1, NSUB), 0)
+    pos_min = tl.min(tl.where(row_ok, pos, _FAR), axis=0)  # the tile's first query
     m_i = tl.full([RP], float("-inf"), tl.float32)
     l_i = tl.zeros([RP], tl.float32)
     acc = tl.zeros([RP, DP], tl.float32)
@@ -131,7 +142,8 @@ def _prefill_kernel(
     for j in range(0, n_iter if DYNAMIC else MAX_ITERS):
         m_i, l_i, acc = _attend_block(
             j, n_iter, q, bits, blocks_ptr + kh * s_bk + tile * s_bt, k_ptr, v_ptr, k_desc, v_desc, kh, s_kt,
-            s_kh, row_ok, pos, tk, qk_scale, m_i, l_i, acc, offs_d, D, S, BN, NSUB, SPARSE, W, PREC, TMA,
+            s_kh, row_ok, pos, pos_min, tk, qk_scale, m_i, l_i, acc, offs_d, D, S, BN, NSUB, SPARSE, W, PREC,
+            TMA, ROW_MASKS,
         )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padding rows saw no key
     tl.store(
@@ -153,6 +165,7 @@ def msa_prefill_attention(
     config: tuple[int, int, int, int] | None = None,
     tma: bool | None = None,
     grouped: bool = True,
+    row_masks: bool = True,
 ) -> torch.Tensor:
     """Same contract as `msa_attention_ref` for consecutive query positions: [T, H, D] -> [T, H, D].
 
@@ -163,7 +176,8 @@ def msa_prefill_attention(
     tensor-memory copies (default: where `tma_ok`); the products are the same bit for bit, and
     the kernel holds fewer registers and issues fewer instructions than with per-thread loads.
     `grouped`: a selection's tiles take queries with overlapping blocks (`group_queries`) rather
-    than consecutive ones; the outputs are the same.
+    than consecutive ones; the outputs are the same. `row_masks`: steps that every row sees whole
+    mask by row, not by score (`_attend_block`); the outputs are the same bit for bit.
     """
     rows, warps, stages, keys = config or (CONFIG_FP32 if q.dtype == torch.float32 else CONFIG)
     t_len, n_heads, d = q.shape
@@ -201,7 +215,7 @@ def msa_prefill_attention(
         S=block_size, BN=bn, W=bits.shape[-1] if sparse else 1, SPARSE=sparse, ORDERED=order is not None,
         MAX_ITERS=max_iters,
         DYNAMIC=not interpreted(),
-        PREC=precision(q), TMA=use_tma, num_warps=warps, num_stages=stages,
+        PREC=precision(q), TMA=use_tma, ROW_MASKS=row_masks, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
