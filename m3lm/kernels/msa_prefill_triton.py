@@ -48,7 +48,8 @@ def _attend_block(
     rows past Tk read as zeros) instead of per-thread loads. ROW_MASKS: a step whose keys every
     row sees up to its own position (all but a tile's last blocks) masks whole rows, by a bias of
     0 or -inf folded into the exponent's multiply-add, instead of a compare and select per score;
-    the outputs are the same bit for bit."""
+    the outputs are the same bit for bit while q and k are finite (a NaN or inf key would reach
+    the rows of its tile that did not choose its block, which the compare keeps from it)."""
     i = j // NSUB
     live = j < n_iter
     if SPARSE:
@@ -177,7 +178,8 @@ def msa_prefill_attention(
     the kernel holds fewer registers and issues fewer instructions than with per-thread loads.
     `grouped`: a selection's tiles take queries with overlapping blocks (`group_queries`) rather
     than consecutive ones; the outputs are the same. `row_masks`: steps that every row sees whole
-    mask by row, not by score (`_attend_block`); the outputs are the same bit for bit.
+    mask by row, not by score (`_attend_block`); the outputs are the same bit for bit (for finite
+    q and k).
     """
     rows, warps, stages, keys = config or (CONFIG_FP32 if q.dtype == torch.float32 else CONFIG)
     t_len, n_heads, d = q.shape
