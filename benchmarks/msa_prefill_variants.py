@@ -14,8 +14,8 @@ kernel places the waits by hand, as flash attention 3 does within a warpgroup: s
 issued, then step j - 1's p v, and step j's softmax runs on the CUDA cores while that p v runs
 on the tensor cores. Everything else is the Triton kernel's: the same tiles (4 queries x 16
 heads, `group_queries`), the same union of blocks and bits per query (`tile_blocks`), 64 keys a
-step by TMA copies, the same masks and online softmax in fp32; its outputs equal the Triton
-kernel's bit for bit.
+step by TMA copies, the masks per score and online softmax in fp32; its outputs equal the
+Triton kernel's bit for bit.
 
 Inputs: the step's own call of layer 1 (the 4-layer bench slice at 8192 tokens, captured by
 `step_energy.capture`), and random queries, keys and values of `--long` tokens with the bench's
