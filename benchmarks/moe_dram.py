@@ -9,8 +9,9 @@ The routings: layer 1's of the 4-layer bench slice in one 8k step, uniform rando
 call runs once to compile, then once more between cudaProfilerStart / Stop. The script also
 prints, for each routing, how the experts' pairs fall into 128-row blocks: whole blocks, short
 last blocks merged into their previous block (`moe_triton._tail`), half-height and partial
-tiles, and how many merged blocks have siblings (other blocks of their expert that read the same
-weight tiles, and that fall behind when the merged programs run longer).
+tiles, and how many merged blocks have siblings (other whole blocks of their expert, which read
+the same weight tiles and run ahead of the longer merged programs). Results in
+`benchmarks/results/moe_core_h200.md`.
 """
 
 from __future__ import annotations
