@@ -52,11 +52,11 @@ def main() -> None:
         return joules
 
     def fused(pairs: torch.Tensor):  # moe_pairs on a subset of the pairs, one expert a row
-        rows, sub_ids, sub_w = x[token[pairs]].contiguous(), flat[pairs][:, None], scale[pairs][:, None]
-        return lambda: mt.moe_pairs(rows, sub_w, sub_ids.contiguous(), w1, w3, w2, alpha, limit)
+        rows, sub_ids = x[token[pairs]].contiguous(), flat[pairs][:, None]
+        return lambda: mt.moe_pairs(rows, sub_ids.contiguous(), w1, w3, w2, alpha, limit)
 
     print("every pair:", flush=True)
-    line("moe_pairs", t * a, lambda: mt.moe_pairs(x, weights, ids, w1, w3, w2, alpha, limit))
+    line("moe_pairs", t * a, lambda: mt.moe_pairs(x, ids, w1, w3, w2, alpha, limit))
     for threshold in (1024, 640, 384):
         large = [k for k in range(e) if counts[k] >= threshold]
         is_large = torch.zeros(e, dtype=torch.bool, device=ids.device)

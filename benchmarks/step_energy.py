@@ -101,9 +101,7 @@ def main() -> None:
     w13_t = torch.cat([ex.w1, ex.w3], dim=1).transpose(1, 2)  # [E, C, 2I], for grouped_mm only
     x = seen["moe"]
     t, n_experts = x.shape[0], ex.w1.shape[0]
-    weights, ids = route(
-        router_logits(x, moe.gate.weight, moe._router_split(x)), moe.e_score_correction_bias, 4
-    )
+    _, ids = route(router_logits(x, moe.gate.weight, moe._router_split(x)), moe.e_score_correction_bias, 4)
     gen = torch.Generator(device="cuda").manual_seed(0)
     routings = {
         "the step's routing": ids,
@@ -120,7 +118,7 @@ def main() -> None:
         ("MoE layer (router .. combine, shared expert)", lambda: moe(x)),
     ]
     for name, r in routings.items():
-        pieces.append((f"routed experts, {name} (Triton)", lambda r=r: mt.moe_pairs(x, weights, r, ex.w1, ex.w3, ex.w2, moe.alpha, moe.limit)))  # fmt: skip
+        pieces.append((f"routed experts, {name} (Triton)", lambda r=r: mt.moe_pairs(x, r, ex.w1, ex.w3, ex.w2, moe.alpha, moe.limit)))  # fmt: skip
         pieces.append((f"routed experts, {name} (grouped_mm)", lambda r=r: grouped_mm_experts(x, r, w13_t, ex.w2, moe.alpha, moe.limit)))  # fmt: skip
     for key, name in (
         ("sparse", "block-sparse attention, one layer"),

@@ -156,6 +156,10 @@ def moe_kernel():
             moe_experts(x, weights, ids, w1, w3, w2, 1.702, 7.0),
             moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0),
         )
+        close(  # each pair's output unweighted: the combine weights them
+            moe_triton.moe_pairs(x, ids, w1, w3, w2, 1.702, 7.0),
+            moe_pairs_ref(x, torch.ones_like(weights), ids, w1, w3, w2, 1.702, 7.0),
+        )
     # Groups aligned to 32 rows, taken by the kernels in blocks of 16: blocks holding only
     # padding are skipped, the others find their expert.
     t, e, a, c, i = 12, 5, 2, 64, 32

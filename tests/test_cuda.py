@@ -223,6 +223,35 @@ def test_fused_moe_matches_reference(dtype, t, e, a, c, i):
     assert rel(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("t", [1, 37, 2000])
+def test_moe_pairs_are_unweighted_products_in_the_activations_dtype(t):
+    """`moe_pairs` leaves each pair's down product rounded to bf16, unweighted, as the reference's
+    product; the combine weights and sums them in fp32."""
+    from m3lm.kernels.fused import moe_combine
+    from m3lm.kernels.moe_triton import moe_pairs
+    from m3lm.layers.mlp import swiglu_oai_ref
+
+    e, a, c, i = 32, 4, 512, 256
+    gen = torch.Generator(device="cpu").manual_seed(t)
+    x = torch.randn(t, c, generator=gen).to(DEV, torch.bfloat16)
+    w1, w3 = (torch.randn(e, i, c, generator=gen).mul(0.05).to(DEV, torch.bfloat16) for _ in range(2))
+    w2 = torch.randn(e, c, i, generator=gen).mul(0.05).to(DEV, torch.bfloat16)
+    weights, ids = route(torch.randn(t, e, generator=gen).to(DEV), torch.zeros(e, device=DEV), a)
+    pairs = moe_pairs(x, ids, w1, w3, w2, 1.702, 7.0)
+    assert pairs.shape == (t, a, c) and pairs.dtype == torch.bfloat16
+    ref = torch.empty(t * a, c, device=DEV)
+    flat = ids.flatten()
+    for k in flat.unique().tolist():
+        sel = (flat == k).nonzero().flatten()
+        xe = x[sel // a].float()
+        ref[sel] = swiglu_oai_ref(xe @ w1[k].float().T, xe @ w3[k].float().T, 1.702, 7.0) @ w2[k].float().T
+    ref = ref.view(t, a, c)
+    assert rel(pairs, ref) < 2e-2
+    shared = torch.randn(t, c, generator=gen).to(DEV, torch.bfloat16)
+    want = (ref * weights[..., None]).sum(1) * 2.0 + shared.float()
+    assert rel(moe_combine(pairs, shared, 2.0, weights=weights), want) < 2e-2
+
+
 @pytest.mark.parametrize("tail", [16, 32, 64])
 def test_merged_moe_tails_equal_their_own_tiles(tail):
     """Short last blocks taken by their expert's previous block (`moe_triton._tail`), at the

@@ -586,23 +586,23 @@ def grouped_gemm(
     return c
 
 
-def moe_pairs(x, weights, ids, w1, w3, w2, alpha: float, limit: float) -> torch.Tensor:
-    """weights[t, a] * expert_{ids[t, a]}(x[t]) for every token-expert pair -> [T, A, C] fp32.
+def moe_pairs(x, ids, w1, w3, w2, alpha: float, limit: float) -> torch.Tensor:
+    """expert_{ids[t, a]}(x[t]) for every token-expert pair -> [T, A, C] in x's dtype, unweighted.
 
-    One alignment serves both GEMMs: groups are padded to the larger BLOCK_M, and the kernel with
-    the smaller one skips its blocks that hold only padding.
+    Each pair's down product is rounded to x's dtype, as the reference's product is
+    (`moe_experts_ref`); the routing weights multiply it in fp32 where the pairs are summed
+    (`fused.moe_combine`, `moe_experts`). One alignment serves both GEMMs: groups are padded to
+    the larger BLOCK_M, and the kernel with the smaller one skips its blocks that hold only padding.
     """
     t, a = ids.shape
     (up_m, up_cfg), (down_m, down_cfg) = tiles(t * a, x.dtype)
     aligned = align(ids, w1.shape[0], max(up_m, down_m))
     h = gate_up(x.contiguous(), w1, w3, t * a, a, aligned, alpha, limit, up_m, up_cfg)  # [M, I]
-    scale = weights.flatten().float().contiguous()
-    down = grouped_gemm(
-        h, w2, t * a, a, aligned, pair_rows=True, scale=scale, out_dtype=torch.float32, block_m=down_m, config=down_cfg
-    )  # fmt: skip
+    down = grouped_gemm(h, w2, t * a, a, aligned, pair_rows=True, block_m=down_m, config=down_cfg)  # [M, C]
     return down.view(t, a, -1)
 
 
 def moe_experts(x, weights, ids, w1, w3, w2, alpha: float, limit: float) -> torch.Tensor:
     """Same contract as `moe_experts_ref`: sum_a weights[t, a] * expert_{ids[t, a]}(x[t]) -> [T, C] fp32."""
-    return moe_pairs(x, weights, ids, w1, w3, w2, alpha, limit).sum(1)
+    pairs = moe_pairs(x, ids, w1, w3, w2, alpha, limit).float()
+    return (pairs * weights.float()[..., None]).sum(1)

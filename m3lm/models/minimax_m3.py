@@ -285,7 +285,8 @@ class MoE(nn.Module):
             experts, stacked = moe_experts_ref, (ex.w1, ex.w3, ex.w2)
         if x.is_cuda and not ex.partitioned:
             # Triton (imported here so CPU installs need no Triton): the grouped GEMMs leave one
-            # weighted output per token-expert pair; one pass sums them, scales, adds the shared
+            # output per token-expert pair (bf16: unweighted, rounded as the reference's product;
+            # MXFP8: weighted, fp32); one pass weights and sums them, scales, adds the shared
             # expert and casts.
             from m3lm.kernels.fused import moe_combine
             from m3lm.kernels.moe_fp8_triton import moe_pairs_fp8, pair_path
@@ -295,8 +296,11 @@ class MoE(nn.Module):
             if shared is not None:  # a decode step: the shared expert runs in the routed experts' launches
                 pairs, out = moe_pairs_fp8(x, weights, ids, *stacked, self.alpha, self.limit, shared=shared)
                 return moe_combine(pairs, out, self.scaling)
-            pairs = (moe_pairs_fp8 if fp8 else moe_pairs)(x, weights, ids, *stacked, self.alpha, self.limit)
-            return moe_combine(pairs, self.shared_experts(x), self.scaling)  # pairs [T, A, C] fp32
+            if fp8:
+                pairs = moe_pairs_fp8(x, weights, ids, *stacked, self.alpha, self.limit)  # [T, A, C] fp32
+                return moe_combine(pairs, self.shared_experts(x), self.scaling)
+            pairs = moe_pairs(x, ids, *stacked, self.alpha, self.limit)  # [T, A, C] in x's dtype
+            return moe_combine(pairs, self.shared_experts(x), self.scaling, weights=weights)
         if x.is_cuda and not fp8:
             from m3lm.kernels.moe_triton import moe_experts as experts
         if ex.partitioned:
