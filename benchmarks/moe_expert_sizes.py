@@ -11,7 +11,8 @@ cuBLAS (gathered rows, gate and up as one product, `fused.swiglu_packed`, down, 
 the pairs' rows), and those same large experts through `moe_pairs` alone. The question: would
 the large experts cost fewer joules as dense vendor products than in the fused kernels, so that
 the step (bound by energy under the power limit) would gain by splitting them off? Results in
-`benchmarks/results/moe_core_h200.md`.
+`benchmarks/results/moe_core_h200.md`, taken before version 17, when `moe_pairs` stored its
+outputs weighted in fp32 as the cuBLAS path here does (it now stores them unweighted in bf16).
 """
 
 from __future__ import annotations
