@@ -15,15 +15,12 @@ logits of the two forms are compared.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 
 import torch
 
 from benchmarks.step_energy import capture, per_call
 from m3lm.bench import PREFILL_SECONDS, _measure, build_slice
-from m3lm.cache.kv_cache import KVCache, PagedKV
-from m3lm.core import ForwardBatch
 from m3lm.gpu_meter import GpuMeter
 from m3lm.kernels import moe_triton as mt
 from m3lm.kernels.fused import moe_combine
@@ -64,9 +61,9 @@ def main() -> None:
     step, seen = capture(model, args.length)
     moe, x = model.model.layers[1].block_sparse_moe, seen["moe"]
     logits = {}
-    for name, form in FORMS.items():
+    for name, form in FORMS.items():  # the same tokens for both forms
         MoE.forward = form
-        logits[name] = last_logits(model, args.length)
+        logits[name] = step()
     a, b = (v.float() for v in logits.values())
     print(f"last logits, relative difference between the forms: {float((a - b).norm() / b.norm()):.2e}")
     steps = {name: [] for name in FORMS}
@@ -87,18 +84,6 @@ def main() -> None:
         print(
             f"{name}: step median {statistics.median(v):.2f} ms over {len(v)} rounds ({min(v):.2f}-{max(v):.2f})"
         )
-
-
-def last_logits(model, length: int) -> torch.Tensor:
-    """The last position's logits of one prefill of `length` seeded random tokens."""
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    ids = torch.randint(0, model.args.vocab_size, (length,), device="cuda", generator=gen)
-    pages = math.ceil(length / model.args.index_block_size)
-    cache = KVCache(model.args, pages, "cuda", torch.bfloat16)
-    pos, last = torch.arange(length, device="cuda"), torch.tensor([length - 1], device="cuda")
-    with torch.inference_mode():
-        batch = ForwardBatch(pos, [length], kv=PagedKV(cache, [list(range(pages))], [0], [length]))
-        return model.forward_batch(ids, batch, last)
 
 
 if __name__ == "__main__":

@@ -293,8 +293,8 @@ def bench_decode(model: MiniMaxM3, batch: int, ctx: int, iters: int) -> Row:
 
 
 def prefill_step(model: MiniMaxM3, length: int):
-    """A function that prefills `length` random tokens into a fresh paged cache (logits of the
-    last position only), as one step of the bench; the same cache is overwritten each call."""
+    """A function that prefills `length` random tokens into a fresh paged cache and returns the
+    last position's logits, as one step of the bench; the same cache is overwritten each call."""
     pages = math.ceil(length / model.args.index_block_size)
     cache = KVCache(model.args, pages, "cuda", torch.bfloat16)
     ids = torch.randint(0, model.args.vocab_size, (length,), device="cuda")
@@ -304,7 +304,7 @@ def prefill_step(model: MiniMaxM3, length: int):
     def step():
         with torch.inference_mode():
             batch = ForwardBatch(pos, [length], kv=PagedKV(cache, [list(range(pages))], [0], [length]))
-            model.forward_batch(ids, batch, last)
+            return model.forward_batch(ids, batch, last)
 
     return step
 
