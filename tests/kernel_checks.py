@@ -429,6 +429,17 @@ def elementwise_kernels():
         fused.moe_combine(flat, shared, 2.0, rows, weights),
         (flat[rows] * weights[..., None]).sum(1) * 2.0 + shared,
     )
+    # The combine inside the next residual add and norm: the two passes' results, bit for bit.
+    h, w = torch.randn(6, 1500), torch.randn(1500)
+    for args in [(pairs, None, None), (flat, rows, weights)]:
+        p, r, wt = args
+        s, y = fused.moe_add_rms_norm(h, p, shared, 2.0, w, 1e-6, rows=r, weights=wt)
+        want = fused.add_rms_norm(h, fused.moe_combine(p, shared, 2.0, r, wt), w, 1e-6)
+        assert torch.equal(s, want[0]) and torch.equal(y, want[1])
+        close(
+            y,
+            rms_norm_ref(h + (p[r] * wt[..., None] if wt is not None else p).sum(1) * 2.0 + shared, w, 1e-6),
+        )
 
 
 if __name__ == "__main__":

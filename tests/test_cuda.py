@@ -317,31 +317,69 @@ def tiny_path(tmp_path_factory):
     return write_checkpoint(path, to_release(hf_model(s, seed=5).state_dict(), s), release_config(s))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_path_matches_full_forward(tiny_path, dtype):
-    model, _ = m3lm.load(tiny_path, device=DEV, dtype=dtype)
-    cpu, _ = m3lm.load(tiny_path, device="cpu", dtype="float32")
-    s = model.args.index_block_size
-    lens = [30, 7, 50]
-    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lens]
+LENS = [30, 7, 50]
+
+
+def prefill_then_decode(model, logits_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts (LENS) but their last tokens prefilled into a fresh paged cache, then one
+    decode step of those last tokens -> (the prefill's logits, at `logits_rows`; the step's)."""
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in LENS]
     cache = KVCache(model.args, 64, DEV, model.lm_head.weight.dtype)
     tables = [list(range(i * 16, i * 16 + 16)) for i in range(3)]
     with torch.inference_mode():
         toks = torch.tensor([t for p in prompts for t in p[:-1]], device=DEV)
-        pos = torch.cat([torch.arange(n - 1) for n in lens]).to(DEV)
-        q_lens = [n - 1 for n in lens]
-        model.forward_batch(toks, ForwardBatch(pos, q_lens, kv=PagedKV(cache, tables, [0] * 3, q_lens)))
+        pos = torch.cat([torch.arange(n - 1) for n in LENS]).to(DEV)
+        q_lens = [n - 1 for n in LENS]
+        batch = ForwardBatch(pos, q_lens, kv=PagedKV(cache, tables, [0] * 3, q_lens))
+        prefill = model.forward_batch(toks, batch, logits_rows)
         dec = DecodeBatch.build(
-            torch.tensor([n - 1 for n in lens], device=DEV),
+            torch.tensor([n - 1 for n in LENS], device=DEV),
             torch.tensor(tables, dtype=torch.int32, device=DEV),
             cache,
-            s,
+            model.args.index_block_size,
         )
-        out = model.decode(torch.tensor([p[-1] for p in prompts], device=DEV), dec)
+        return prefill, model.decode(torch.tensor([p[-1] for p in prompts], device=DEV), dec)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_path_matches_full_forward(tiny_path, dtype):
+    model, _ = m3lm.load(tiny_path, device=DEV, dtype=dtype)
+    cpu, _ = m3lm.load(tiny_path, device="cpu", dtype="float32")
+    _, out = prefill_then_decode(model)
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in LENS]
+    with torch.inference_mode():
         ref = torch.stack([cpu(torch.tensor([p]))[0, -1] for p in prompts])
     # fp32 is the parity check; in bf16 a tiny random model with 4-token blocks flips near-tied
     # block selections, so only gross errors are caught there.
     assert rel(out.cpu(), ref) < (1e-4 if dtype == "float32" else 0.1)
+
+
+@pytest.mark.parametrize("quant", ["auto", "mxfp8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_sum_folded_into_the_next_norm_changes_no_bit(tiny_path, monkeypatch, quant, dtype):
+    """The MoE's pairs summed in the next residual add and norm (`MoEOutput`) give the logits of
+    the MoE output summed on its own (`moe_combine`, then `add_rms_norm`), in a prefill with and
+    without logits rows and in a decode step."""
+    from m3lm.layers.moe import MoEOutput
+    from m3lm.models.minimax_m3 import MoE
+
+    model, _ = m3lm.load(tiny_path, device=DEV, dtype=dtype, quant=quant)
+    rows = torch.tensor([5, 28, 34, 83], device=DEV)  # of the 84 prefilled tokens
+    calls = []
+    unsummed = MoE.unsummed
+
+    def counted(self, x):
+        out = unsummed(self, x)
+        calls.append(isinstance(out, MoEOutput))
+        return out
+
+    monkeypatch.setattr(MoE, "unsummed", counted)
+    folded = [*prefill_then_decode(model), prefill_then_decode(model, rows)[0]]
+    assert calls and all(calls)  # every MoE layer's output went on unsummed
+    monkeypatch.setattr(MoE, "unsummed", lambda self, x: unsummed(self, x).sum())
+    summed = [*prefill_then_decode(model), prefill_then_decode(model, rows)[0]]
+    for a, b in zip(folded, summed, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("fixture", golden_params())
@@ -458,6 +496,17 @@ def test_fused_elementwise_kernels_match_reference(dtype):
     shared = torch.randn(300, 6144, generator=gen).to(DEV, dtype)
     ref = (pairs.sum(1) * 2.0 + shared.float()).to(dtype)
     assert rel(fused.moe_combine(pairs, shared, 2.0), ref) < tol
+    h, w = shared.flip(0), torch.randn(6144, generator=gen).to(DEV, dtype)
+    weights = torch.rand(300, 4, generator=gen).to(DEV)
+    # The MoE output is rounded to the shared expert's dtype, which may be wider than h's.
+    for p, sh, wt in [
+        (pairs, shared, None),
+        (pairs.to(dtype), shared, weights),
+        (pairs, shared.float(), None),
+    ]:
+        s, y = fused.moe_add_rms_norm(h, p, sh, 2.0, w, 1e-6, weights=wt)  # bit for bit
+        want = fused.add_rms_norm(h, fused.moe_combine(p, sh, 2.0, weights=wt), w, 1e-6)
+        assert torch.equal(s, want[0]) and torch.equal(y, want[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

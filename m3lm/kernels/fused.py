@@ -243,13 +243,11 @@ def decode_heads(
 
 
 @triton.jit
-def _moe_combine_kernel(
-    p_ptr, row_ptr, w_ptr, sh_ptr, y_ptr, n, scaling,
+def _combine_row(
+    p_ptr, row_ptr, w_ptr, sh_ptr, t, offs, mask, n, scaling,
     A: tl.constexpr, ROWS: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    """Token t's MoE output at offs [BLOCK]: sum_a w[t, a] * pairs[row(t, a)] * scaling + shared[t], fp32."""
     acc = tl.zeros([BLOCK], tl.float32)
     for a in range(A):  # in slot order, as the reference's sum
         row = t * A + a
@@ -260,7 +258,27 @@ def _moe_combine_kernel(
             y = y * tl.load(w_ptr + t * A + a)
         acc += y
     shared = tl.load(sh_ptr + t * n + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * n + offs, (acc * scaling + shared).to(y_ptr.dtype.element_ty), mask=mask)
+    return acc * scaling + shared
+
+
+@triton.jit
+def _moe_combine_kernel(
+    p_ptr, row_ptr, w_ptr, sh_ptr, y_ptr, n, scaling,
+    A: tl.constexpr, ROWS: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = _combine_row(p_ptr, row_ptr, w_ptr, sh_ptr, t, offs, mask, n, scaling, A, ROWS, WEIGHTS, BLOCK)
+    tl.store(y_ptr + t * n + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _combine_args(pairs, shared, rows, weights, fill):
+    """(pairs, rows, weights, shared, A) as the combine kernels take them; `fill` stands in for absent inputs."""
+    a = pairs.shape[1] if rows is None else rows.shape[1]
+    rows = rows.contiguous() if rows is not None else fill
+    weights = weights.float().contiguous() if weights is not None else fill
+    return pairs.contiguous(), rows, weights, shared.contiguous(), a
 
 
 def moe_combine(
@@ -277,15 +295,51 @@ def moe_combine(
     sum, a scale, a cast, an add and a cast.
     """
     t, n = shared.shape
-    a = pairs.shape[1] if rows is None else rows.shape[1]
-    pairs, shared = pairs.contiguous(), shared.contiguous()
     y = torch.empty_like(shared)
+    p, r, w, sh, a = _combine_args(pairs, shared, rows, weights, y)
     block = 1024
     _moe_combine_kernel[(t, triton.cdiv(n, block))](
-        pairs, rows.contiguous() if rows is not None else y, weights.float().contiguous() if weights is not None else y,
-        shared, y, n, scaling, A=a, ROWS=rows is not None, WEIGHTS=weights is not None, BLOCK=block,
-    )  # fmt: skip
+        p, r, w, sh, y, n, scaling, A=a, ROWS=rows is not None, WEIGHTS=weights is not None, BLOCK=block
+    )
     return y
+
+
+@triton.jit
+def _moe_add_rms_norm_kernel(
+    p_ptr, row_ptr, w_ptr, sh_ptr, h_ptr, nw_ptr, s_ptr, y_ptr, n, scaling, eps,
+    A: tl.constexpr, ROWS: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    d = _combine_row(p_ptr, row_ptr, w_ptr, sh_ptr, t, offs, mask, n, scaling, A, ROWS, WEIGHTS, BLOCK)
+    d = d.to(sh_ptr.dtype.element_ty).to(tl.float32)  # the MoE output, rounded as `moe_combine` stores it
+    h = tl.load(h_ptr + t * n + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (h + d).to(s_ptr.dtype.element_ty)  # the residual sum, rounded as `h + d` rounds it
+    _store_row_and_norm(s_ptr, y_ptr, t, s, nw_ptr, offs, mask, n, eps)
+
+
+def moe_add_rms_norm(
+    h: torch.Tensor,
+    pairs: torch.Tensor,
+    shared: torch.Tensor,
+    scaling: float,
+    weight: torch.Tensor,
+    eps: float,
+    rows: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm(h, moe_combine(pairs, shared, scaling, rows, weights), weight, eps)` in one pass,
+    bit for bit: the MoE output [T, C] is neither written nor read again."""
+    h = h.contiguous()
+    t, n = h.shape
+    s, y = torch.empty_like(h), torch.empty_like(h)
+    p, r, w, sh, a = _combine_args(pairs, shared, rows, weights, s)
+    _moe_add_rms_norm_kernel[(t,)](
+        p, r, w, sh, h, weight, s, y, n, scaling, eps,
+        A=a, ROWS=rows is not None, WEIGHTS=weights is not None, BLOCK=triton.next_power_of_2(n),
+    )  # fmt: skip
+    return s, y
 
 
 @triton.jit

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # From this many tokens (prefill) the GPU computes bf16 activations' router logits as three bf16
@@ -61,3 +63,34 @@ def route_ref(
     ids = order[:, :top_k]  # [T, A]
     weights = scores.gather(1, ids)
     return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+@dataclass
+class MoEOutput:
+    """A MoE layer's output on the GPU before its sum over the pairs: `sum_a w[t, a] * pairs[t, a] *
+    scaling + shared[t]`, rounded to shared's dtype. The next residual add and norm sum it in their
+    own pass (`add_norm`), so the [T, C] output is never written and read again."""
+
+    pairs: torch.Tensor  # [T, A, C]: bf16 and unweighted, or fp32 and weighted (MXFP8)
+    shared: torch.Tensor  # [T, C] the shared expert's output
+    scaling: float  # routed_scaling_factor (routed pairs only)
+    weights: torch.Tensor | None = None  # [T, A] fp32 when the pairs are unweighted
+
+    def __getitem__(self, rows: torch.Tensor) -> MoEOutput:
+        """Only the tokens `rows` [R] (the rows whose logits a prefill needs)."""
+        w = None if self.weights is None else self.weights[rows]
+        return MoEOutput(self.pairs[rows], self.shared[rows], self.scaling, w)
+
+    def sum(self) -> torch.Tensor:
+        """The output [T, C] itself (`fused.moe_combine`)."""
+        from m3lm.kernels.fused import moe_combine
+
+        return moe_combine(self.pairs, self.shared, self.scaling, weights=self.weights)
+
+    def add_rms_norm(
+        self, h: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm.add_rms_norm(h, self.sum(), weight, eps)`, bit for bit, in one pass."""
+        from m3lm.kernels.fused import moe_add_rms_norm
+
+        return moe_add_rms_norm(h, self.pairs, self.shared, self.scaling, weight, eps, weights=self.weights)

@@ -26,7 +26,7 @@ from m3lm.kernels.moe import moe_experts_ref
 from m3lm.kernels.msa import msa_attention_ref, msa_attention_sdpa, msa_select_ref
 from m3lm.layers.linear import MXFP8Linear, fp8_parameter, packed_linear, packed_rows, to_mxfp8_
 from m3lm.layers.mlp import MLP
-from m3lm.layers.moe import SPLIT_ROUTER_MIN_T, route, router_logits, split_bf16
+from m3lm.layers.moe import SPLIT_ROUTER_MIN_T, MoEOutput, route, router_logits, split_bf16
 from m3lm.layers.norm import RMSNorm, add_rms_norm
 from m3lm.layers.rotary import norm_rope, rope_cos_sin
 
@@ -275,6 +275,11 @@ class MoE(nn.Module):
         return tuple(t for lin in lins for t in (lin.weight, lin.weight_scale))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.unsummed(x)
+        return out.sum() if isinstance(out, MoEOutput) else out
+
+    def unsummed(self, x: torch.Tensor) -> torch.Tensor | MoEOutput:
+        """x [T, C] -> the output [T, C], or on the GPU's pair path the pairs not yet summed."""
         logits = router_logits(x, self.gate.weight, self._router_split(x))  # [T, E] fp32
         weights, ids = route(logits, self.e_score_correction_bias, self.top_k)  # [T, A]
         ex = self.experts
@@ -287,20 +292,19 @@ class MoE(nn.Module):
             # Triton (imported here so CPU installs need no Triton): the grouped GEMMs leave one
             # output per token-expert pair (bf16: unweighted, rounded as the reference's product;
             # MXFP8: weighted, fp32); one pass weights and sums them, scales, adds the shared
-            # expert and casts.
-            from m3lm.kernels.fused import moe_combine
+            # expert and casts (`MoEOutput`).
             from m3lm.kernels.moe_fp8_triton import moe_pairs_fp8, pair_path
             from m3lm.kernels.moe_triton import moe_pairs
 
             shared = self._shared_fp8() if fp8 and pair_path(x.shape[0] * self.top_k) else None
             if shared is not None:  # a decode step: the shared expert runs in the routed experts' launches
                 pairs, out = moe_pairs_fp8(x, weights, ids, *stacked, self.alpha, self.limit, shared=shared)
-                return moe_combine(pairs, out, self.scaling)
+                return MoEOutput(pairs, out, self.scaling)
             if fp8:
                 pairs = moe_pairs_fp8(x, weights, ids, *stacked, self.alpha, self.limit)  # [T, A, C] fp32
-                return moe_combine(pairs, self.shared_experts(x), self.scaling)
+                return MoEOutput(pairs, self.shared_experts(x), self.scaling)
             pairs = moe_pairs(x, ids, *stacked, self.alpha, self.limit)  # [T, A, C] in x's dtype
-            return moe_combine(pairs, self.shared_experts(x), self.scaling, weights=weights)
+            return MoEOutput(pairs, self.shared_experts(x), self.scaling, weights)
         if x.is_cuda and not fp8:
             from m3lm.kernels.moe_triton import moe_experts as experts
         if ex.partitioned:
@@ -309,6 +313,10 @@ class MoE(nn.Module):
             routed = experts(x, weights, ids, *stacked, self.alpha, self.limit)  # [T, C] fp32
         # routed_scaling_factor scales the routed sum only; the shared expert enters at 1.0.
         return (routed * self.scaling + self.shared_experts(x).float()).to(x.dtype)
+
+
+# A layer's output not yet added to the residual stream: a tensor, a MoE's pairs, or nothing.
+Pending = torch.Tensor | MoEOutput | None
 
 
 class DecoderLayer(nn.Module):
@@ -331,34 +339,37 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        pending: torch.Tensor | None,
+        pending: Pending,
         batch: ForwardBatch,
         x: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, Pending]:
         """(residual stream h [T, C], the previous layer's output not yet added to it, or None)
         -> (h, this layer's MLP/MoE output, not yet added): each residual add is done together
-        with the norm that follows it (`add_norm`). x: the input norm of h, where the caller
-        made it already (the first layer's, with the embedding)."""
+        with the norm that follows it (`add_norm`), and on the GPU with the MoE's sum over its
+        pairs too (`MoEOutput`). x: the input norm of h, where the caller made it already (the
+        first layer's, with the embedding)."""
         return self._run(h, pending, lambda x: self.self_attn(x, batch), x)
 
     def decode(
         self,
         h: torch.Tensor,
-        pending: torch.Tensor | None,
+        pending: Pending,
         dec: DecodeBatch,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, Pending]:
         """`forward` for one new token per sequence over the paged caches."""
         return self._run(h, pending, lambda x: self.self_attn.decode(x, dec, cos, sin))
 
     def _run(
-        self, h: torch.Tensor, pending: torch.Tensor | None, attend, x: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, h: torch.Tensor, pending: Pending, attend, x: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Pending]:
         if x is None:
             h, x = add_norm(h, pending, self.input_layernorm)
         # Under tensor parallelism both branches return partial sums over this rank's heads/width.
         h, x = add_norm(h, all_reduce(attend(x), self.parallel), self.post_attention_layernorm)
+        if self.parallel.world == 1 and hasattr(self, "block_sparse_moe"):
+            return h, self.block_sparse_moe.unsummed(x)  # summed by the next add_norm
         return h, all_reduce(self.ffn(x), self.parallel)
 
     @property
@@ -366,12 +377,12 @@ class DecoderLayer(nn.Module):
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
 
-def add_norm(
-    h: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
+def add_norm(h: torch.Tensor, pending: Pending, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + pending, norm(h + pending)), or (h, norm(h)) when nothing is pending."""
     if pending is None:
         return h, norm(h)
+    if isinstance(pending, MoEOutput):
+        return pending.add_rms_norm(h, norm.weight, norm.eps)
     return add_rms_norm(h, pending, norm.weight, norm.eps)
 
 
