@@ -13,12 +13,10 @@ bit.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-
 import torch
 
-from m3lm.bench import PREFILL_SECONDS, _measure, build_slice, prefill_step, rested_ms
+from benchmarks.moe_pair_outputs import ab_args, alternate, last_logits
+from m3lm.bench import build_slice, prefill_step, rested_ms
 from m3lm.models.minimax_m3 import MoE
 
 ENGINE = MoE.unsummed
@@ -26,33 +24,11 @@ FORMS = {"folded (engine)": ENGINE, "summed on its own": lambda self, x: ENGINE(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--length", type=int, default=8192)
-    p.add_argument("--rounds", type=int, default=5)
-    args = p.parse_args()
+    args = ab_args(__doc__)
     model = build_slice(args.layers)
     step = prefill_step(model, args.length)
-    logits = {}
-    for name, form in FORMS.items():
-        MoE.unsummed = form
-        logits[name] = step()
-    print(f"last logits equal bit for bit: {torch.equal(*logits.values())}", flush=True)
-    steps = {name: [] for name in FORMS}
-    for r in range(args.rounds):
-        for name, form in FORMS.items():
-            MoE.unsummed = form
-            ms, gpu = _measure(step, 3, gpu=True, seconds=PREFILL_SECONDS)
-            steps[name].append(ms)
-            print(
-                f"round {r} {name}: back to back {ms:.2f} ms ({gpu}), rested {rested_ms(step):.2f} ms",
-                flush=True,
-            )
-    MoE.unsummed = ENGINE
-    for name, v in steps.items():
-        print(
-            f"{name}: median {statistics.median(v):.2f} ms over {len(v)} rounds ({min(v):.2f}-{max(v):.2f})"
-        )
+    print(f"last logits equal bit for bit: {torch.equal(*last_logits(FORMS, step).values())}", flush=True)
+    alternate(FORMS, step, args.rounds, lambda: f"rested {rested_ms(step):.2f} ms | ")
 
 
 if __name__ == "__main__":

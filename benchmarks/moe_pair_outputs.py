@@ -56,40 +56,59 @@ def fp32_weighted(self: MoE, x: torch.Tensor) -> torch.Tensor:
 FORMS = {"bf16 unweighted (engine)": engine_summed, "fp32 weighted (before)": fp32_weighted}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def ab_args(doc: str) -> argparse.Namespace:
+    """--layers, --length and --rounds of an A/B script."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--length", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=5)
-    args = p.parse_args()
-    model = build_slice(args.layers)
-    meter = GpuMeter.open()
-    step, seen = capture(model, args.length)
-    moe, x = model.model.layers[1].block_sparse_moe, seen["moe"]
-    logits = {}
-    for name, form in FORMS.items():  # the same tokens for both forms
+    return p.parse_args()
+
+
+def last_logits(forms: dict, step) -> dict[str, torch.Tensor]:
+    """The step's last logits under each form of `MoE.unsummed` (the same tokens for all)."""
+    out = {}
+    for name, form in forms.items():
         MoE.unsummed = form
-        logits[name] = step()
-    a, b = (v.float() for v in logits.values())
-    print(f"last logits, relative difference between the forms: {float((a - b).norm() / b.norm()):.2e}")
-    steps = {name: [] for name in FORMS}
-    for r in range(args.rounds):
-        for name, form in FORMS.items():
+        out[name] = step()
+    MoE.unsummed = ENGINE
+    return out
+
+
+def alternate(forms: dict, step, rounds: int, extra=lambda: "") -> None:
+    """Rounds in which each form of `MoE.unsummed` runs in turn: what `extra` reports, then the
+    8k step back to back as `m3lm bench` times it (the median over a second after the warm-up);
+    then each form's median over the rounds."""
+    steps = {name: [] for name in forms}
+    for r in range(rounds):
+        for name, form in forms.items():
             MoE.unsummed = form
-            with torch.inference_mode():
-                ms, j, w = per_call(meter, lambda: moe(x), 1.0)
-            step_ms, gpu = _measure(step, 3, gpu=True, seconds=PREFILL_SECONDS)
-            steps[name].append(step_ms)
-            print(
-                f"round {r} {name}: MoE layer {ms:.3f} ms {j:.3f} J {w:.0f} W | 8k step back to back "
-                f"{step_ms:.2f} ms ({gpu})",
-                flush=True,
-            )
+            more = extra()
+            ms, gpu = _measure(step, 3, gpu=True, seconds=PREFILL_SECONDS)
+            steps[name].append(ms)
+            print(f"round {r} {name}: {more}8k step back to back {ms:.2f} ms ({gpu})", flush=True)
     MoE.unsummed = ENGINE
     for name, v in steps.items():
         print(
             f"{name}: step median {statistics.median(v):.2f} ms over {len(v)} rounds ({min(v):.2f}-{max(v):.2f})"
         )
+
+
+def main() -> None:
+    args = ab_args(__doc__)
+    model = build_slice(args.layers)
+    meter = GpuMeter.open()
+    step, seen = capture(model, args.length)
+    moe, x = model.model.layers[1].block_sparse_moe, seen["moe"]
+    a, b = (v.float() for v in last_logits(FORMS, step).values())
+    print(f"last logits, relative difference between the forms: {float((a - b).norm() / b.norm()):.2e}")
+
+    def moe_layer() -> str:
+        with torch.inference_mode():
+            ms, j, w = per_call(meter, lambda: moe(x), 1.0)
+        return f"MoE layer {ms:.3f} ms {j:.3f} J {w:.0f} W | "
+
+    alternate(FORMS, step, args.rounds, moe_layer)
 
 
 if __name__ == "__main__":
