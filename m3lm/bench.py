@@ -34,7 +34,7 @@ from m3lm.engine.cuda_graphs import DecodeGraphs
 from m3lm.gpu_meter import GpuMeter, GpuState
 from m3lm.layers.linear import weight_bytes
 from m3lm.layers.rotary import rope_cos_sin
-from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_, release_config
+from m3lm.models.minimax_m3 import MiniMaxM3, add_norm, keep_mxfp8_, release_config
 
 RELEASE_DENSE, RELEASE_SPARSE = 3, 57  # the release's dense + full-attention and MoE + MSA layers
 COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on the H200
@@ -216,7 +216,7 @@ def _graph_ms(fn, iters: int) -> float:
 def decode_parts(model: MiniMaxM3, cache: KVCache, batch: int, pages: int, ctx: int, iters: int) -> dict:
     """ms of the decode step's parts, each as its own graph: embedding + final norm + lm_head,
     layer 0 (dense MLP + full attention) and layer 1 (MoE + MSA), each with the residual add of
-    the previous layer's output that it performs."""
+    the previous layer's output (a MoE's, for layer 1, as its followers get) and its input norm."""
     a, dev = model.args, "cuda"
     tokens = torch.randint(0, a.vocab_size, (batch,), device=dev)
     positions = torch.full((batch,), ctx - 1, device=dev)
@@ -229,12 +229,13 @@ def decode_parts(model: MiniMaxM3, cache: KVCache, batch: int, pages: int, ctx: 
     def head():
         model.lm_head(model.model.norm(model.model.embed_tokens(tokens))).float()
 
-    out = {
-        "head": _graph_ms(head, iters),
-        "dense": _graph_ms(lambda: layers[0].decode(h, h, dec, cos, sin), iters),
-    }
+    def layer(i: int, pending):  # the residual add of the previous output with the input norm, then the layer
+        return lambda: layers[i].decode(*add_norm(h, pending, layers[i].input_layernorm), dec, cos, sin)
+
+    out = {"head": _graph_ms(head, iters), "dense": _graph_ms(layer(0, h), iters)}
     if len(layers) > 1:
-        out["sparse"] = _graph_ms(lambda: layers[1].decode(h, h, dec, cos, sin), iters)
+        moe_out = layer(1, h)()[1]  # what a MoE layer hands on (unsummed on the GPU), as layers 2.. receive
+        out["sparse"] = _graph_ms(layer(1, moe_out), iters)
     return out
 
 

@@ -336,36 +336,19 @@ class DecoderLayer(nn.Module):
                 args.swiglu_limit, dtype,
             )  # fmt: skip
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        pending: Pending,
-        batch: ForwardBatch,
-        x: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, Pending]:
-        """(residual stream h [T, C], the previous layer's output not yet added to it, or None)
-        -> (h, this layer's MLP/MoE output, not yet added): each residual add is done together
-        with the norm that follows it (`add_norm`), and on the GPU with the MoE's sum over its
-        pairs too (`MoEOutput`). x: the input norm of h, where the caller made it already (the
-        first layer's, with the embedding)."""
-        return self._run(h, pending, lambda x: self.self_attn(x, batch), x)
+    def forward(self, h: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, Pending]:
+        """(residual stream h [T, C], its input norm x [T, C]) -> (h, this layer's MLP/MoE output,
+        not yet added). The caller adds that output to h together with the next norm (`add_norm`),
+        and on the GPU sums a MoE's pairs in that same pass (`MoEOutput`)."""
+        return self._run(h, x, lambda x: self.self_attn(x, batch))
 
     def decode(
-        self,
-        h: torch.Tensor,
-        pending: Pending,
-        dec: DecodeBatch,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, h: torch.Tensor, x: torch.Tensor, dec: DecodeBatch, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, Pending]:
         """`forward` for one new token per sequence over the paged caches."""
-        return self._run(h, pending, lambda x: self.self_attn.decode(x, dec, cos, sin))
+        return self._run(h, x, lambda x: self.self_attn.decode(x, dec, cos, sin))
 
-    def _run(
-        self, h: torch.Tensor, pending: Pending, attend, x: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, Pending]:
-        if x is None:
-            h, x = add_norm(h, pending, self.input_layernorm)
+    def _run(self, h: torch.Tensor, x: torch.Tensor, attend) -> tuple[torch.Tensor, Pending]:
         # Under tensor parallelism both branches return partial sums over this rank's heads/width.
         h, x = add_norm(h, all_reduce(attend(x), self.parallel), self.post_attention_layernorm)
         if self.parallel.world == 1 and hasattr(self, "block_sparse_moe"):
@@ -478,7 +461,10 @@ class MiniMaxM3(nn.Module):
         """Packed tokens [T] -> fp32 logits [T, V], or only at `logits_rows` [R] -> [R, V]."""
         (h, x), pending = self.model.embed_norm(tokens), None  # [T, C], no embedding scaling
         for layer in self.model.layers:  # RoPE tables: `ForwardBatch.rope`, once, in layer 0
-            h, pending = layer(h, pending, batch, x)
+            if x is None:  # layer 0's input norm came with the embedding
+                h, x = add_norm(h, pending, layer.input_layernorm)
+            pending = None  # freed before the layer runs (a MoE's pairs: A times its output's size)
+            h, pending = layer(h, x, batch)
             x = None
         if logits_rows is not None:
             h, pending = h[logits_rows], None if pending is None else pending[logits_rows]
@@ -495,7 +481,9 @@ class MiniMaxM3(nn.Module):
         h, pending = self.model.embed(tokens), None  # [B, C]
         cos, sin = rope_cos_sin(dec.positions, a.rotary_dim, a.rope_theta)
         for layer in self.model.layers:
-            h, pending = layer.decode(h, pending, dec, cos, sin)
+            h, x = add_norm(h, pending, layer.input_layernorm)
+            pending = None
+            h, pending = layer.decode(h, x, dec, cos, sin)
         return all_gather(
             self.lm_head(add_norm(h, pending, self.model.norm)[1]).float(), self.parallel
         )  # [B, V]
