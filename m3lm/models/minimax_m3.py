@@ -351,9 +351,10 @@ class DecoderLayer(nn.Module):
     def _run(self, h: torch.Tensor, x: torch.Tensor, attend) -> tuple[torch.Tensor, Pending]:
         # Under tensor parallelism both branches return partial sums over this rank's heads/width.
         h, x = add_norm(h, all_reduce(attend(x), self.parallel), self.post_attention_layernorm)
-        if self.parallel.world == 1 and hasattr(self, "block_sparse_moe"):
-            return h, self.block_sparse_moe.unsummed(x)  # summed by the next add_norm
-        return h, all_reduce(self.ffn(x), self.parallel)
+        ffn = self.ffn
+        if self.parallel.world == 1 and isinstance(ffn, MoE):
+            return h, ffn.unsummed(x)  # summed by the next add_norm
+        return h, all_reduce(ffn(x), self.parallel)
 
     @property
     def ffn(self) -> nn.Module:
