@@ -1,12 +1,14 @@
 """The Triton kernels against their references on the CPU, through Triton's interpreter.
 
 Run as a script (TRITON_INTERPRET must be set before Triton is imported); `test_kernels_interpreted`
-does that in a subprocess. Exits non-zero on the first mismatch.
+runs each check in a subprocess. Exits non-zero on the first mismatch.
 """
 
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
+
+import sys
 
 import torch
 import triton
@@ -442,9 +444,9 @@ def elementwise_kernels():
         )
 
 
-if __name__ == "__main__":
-    torch.manual_seed(0)
-    for check in (
+CHECKS = {
+    f.__name__: f
+    for f in (
         decode_kernels,
         prefill_kernel,
         prefill_selection,
@@ -453,6 +455,11 @@ if __name__ == "__main__":
         routing_kernels,
         fp8_kernels,
         elementwise_kernels,
-    ):
-        check()
-        print(check.__name__, "ok", flush=True)
+    )
+}
+
+if __name__ == "__main__":  # python tests/kernel_checks.py [NAME ...]: the named checks, or all
+    for name in sys.argv[1:] or CHECKS:
+        torch.manual_seed(0)
+        CHECKS[name]()
+        print(name, "ok", flush=True)
