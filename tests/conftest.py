@@ -39,3 +39,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    if any(getattr(item.module, "__name__", "") == "test_kernels_interpreted" for item in session.items):
+        import test_kernels_interpreted
+
+        test_kernels_interpreted.start_checks()

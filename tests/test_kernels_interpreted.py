@@ -1,7 +1,7 @@
 """CPU twins of the GPU kernel tests: the Triton kernels run in Triton's interpreter.
 
 Each check runs in a process of its own (TRITON_INTERPRET must be set before Triton is imported);
-the processes start together on first use, so the checks run side by side on the machine's cores.
+the processes start together when collection ends, so they run beside the rest of the suite.
 """
 
 import os
@@ -25,22 +25,31 @@ CHECKS = (
 )
 
 
-@pytest.fixture(scope="module")
-def runs():
+PROCS: dict[str, subprocess.Popen] = {}
+
+
+def start_checks() -> None:
+    """Start every check's process (conftest calls this once collection has picked these tests, so
+    the interpreter's work overlaps the rest of the suite)."""
+    if PROCS:
+        return
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     script = str(REPO / "tests" / "kernel_checks.py")
-    procs = {
-        name: subprocess.Popen(
+    for name in CHECKS:
+        PROCS[name] = subprocess.Popen(
             [sys.executable, script, name],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
         )
-        for name in CHECKS
-    }
-    yield procs
-    for p in procs.values():
+
+
+@pytest.fixture(scope="module")
+def runs():
+    start_checks()
+    yield PROCS
+    for p in PROCS.values():
         p.kill()
         p.wait()
 
