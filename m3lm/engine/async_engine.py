@@ -26,24 +26,38 @@ class EngineDead(Exception):
     """The engine thread stopped after an internal fault."""
 
 
+class Interrupted(Exception):
+    """The server ended the request (it is shutting down)."""
+
+
+_END = object()  # put by `abort` so that an iterator waiting for the next output wakes and ends
+
+
 class RequestStream:
-    """The outputs of one request, as an async iterator; closing it early aborts the request."""
+    """The outputs of one request, as an async iterator; closing it early aborts the request.
+
+    After `abort` the iterator ends at once: the engine sends nothing more for an aborted request.
+    """
 
     def __init__(self, owner: AsyncEngine, request_id: str, prompt_ids: list[int]):
         self.owner, self.request_id, self.prompt_ids = owner, request_id, prompt_ids
-        self.queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[StepOutput | BaseException | object] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.finished = False
 
     async def __aiter__(self) -> AsyncIterator[StepOutput]:
         try:
-            while not self.finished:
+            while True:
                 item = await self.queue.get()
+                if item is _END:
+                    return
                 if isinstance(item, BaseException):
                     self.finished = True
                     raise item
                 self.finished = item.finished
                 yield item
+                if item.finished:
+                    return
         finally:
             if not self.finished:
                 self.abort()
@@ -52,6 +66,7 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self.owner.abort(self.request_id)
+            self.queue.put_nowait(_END)
 
     def _put(self, item: StepOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -119,6 +134,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wake.set()
+
+    def interrupt_all(self, reason: str) -> None:
+        """End every open request: each is aborted and its stream raises Interrupted(reason)."""
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            self.abort(stream.request_id)
+            stream._put(Interrupted(reason))
 
     def _drain_inbox(self) -> None:
         while True:

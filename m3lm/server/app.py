@@ -8,13 +8,11 @@ thread; the event loop only parses, routes and streams.
 
 from __future__ import annotations
 
-import hmac
 import logging
-import signal
-import threading
 import time
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -22,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m3lm.engine.async_engine import AsyncEngine
+from m3lm.server.asgi import ApiKeyAuth, DrainingServer, RequestLimits, guarded_h11
 from m3lm.server.handlers import ApiError, ServerState, chat_completion, completion
 from m3lm.server.metrics import Metrics
 from m3lm.server.protocol import (
@@ -40,59 +39,10 @@ log = logging.getLogger("m3lm.server")
 UVICORN_MAX_HEADERS = 1 << 20
 
 
-class RequestLimits:
-    """Pure ASGI middleware: headers over `header_limit` bytes get 431, bodies over `limit` get 413.
-
-    The body is read (at most `limit` bytes) before the app sees the request.
-    """
-
-    def __init__(self, app, limit: int, header_limit: int):
-        self.app, self.limit, self.header_limit = app, limit, header_limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        raw = scope.get("headers") or []
-        if sum(len(k) + len(v) + 4 for k, v in raw) > self.header_limit:
-            return await _send_error(send, 431, f"request headers over {self.header_limit} bytes")
-        headers = dict(raw)
-        length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await _send_error(send, 413, f"request body over {self.limit} bytes")
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                return await _send_error(send, 413, f"request body over {self.limit} bytes")
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        body, sent = b"".join(chunks), False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
-
-
-async def _send_error(send, status: int, message: str) -> None:
-    resp = JSONResponse(error_body(message, "invalid_request_error", code=status), status)
-    await send({"type": "http.response.start", "status": status, "headers": resp.raw_headers})
-    await send({"type": "http.response.body", "body": resp.body})
-
-
 def build_app(
     engine: AsyncEngine,
     tokenizer,
     model_name: str,
-    api_key: str | None = None,
     limits: Limits | None = None,
     metrics: Metrics | None = None,
 ) -> FastAPI:
@@ -112,19 +62,9 @@ def build_app(
         state.draining = True
         engine.stop()
 
-    app = FastAPI(title="m3lm", version="0.1.0", lifespan=lifespan)
+    # No trailing-slash redirects: their Location would be built from the client's Host header.
+    app = FastAPI(title="m3lm", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     app.state.m3lm = state
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return JSONResponse(
-                    error_body("invalid or missing API key", "authentication_error", code=401), 401
-                )
-        return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError):
@@ -236,11 +176,46 @@ def build_app(
 
 
 def create_server_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None, limits: Limits):
-    """The ASGI app as served: the FastAPI app behind the body-size limit."""
+    """The ASGI app as served: the key checked on the headers, then the size and time limits,
+    then the FastAPI app."""
     metrics = Metrics(model_name)
     engine.observer = metrics.observe_step
-    app = build_app(engine, tokenizer, model_name, api_key, limits, metrics)
-    return RequestLimits(app, limits.max_body_bytes, limits.max_header_bytes)
+    app = build_app(engine, tokenizer, model_name, limits, metrics)
+    guarded = RequestLimits(app, limits.max_body_bytes, limits.max_header_bytes, limits.body_timeout_s)
+    return guarded if api_key is None else ApiKeyAuth(guarded, api_key)
+
+
+def server_config(app, limits: Limits, grace_s: float, **kwargs) -> uvicorn.Config:
+    """uvicorn's settings as served: connection caps and timeouts from `limits`."""
+    return uvicorn.Config(
+        app,
+        http=guarded_h11(limits.header_timeout_s),
+        timeout_keep_alive=limits.idle_timeout_s,
+        limit_concurrency=limits.max_connections,
+        timeout_graceful_shutdown=grace_s,
+        h11_max_incomplete_event_size=UVICORN_MAX_HEADERS,
+        **kwargs,
+    )
+
+
+def draining_server(config: uvicorn.Config, app, grace_s: float) -> DrainingServer:
+    """The server of `app` (from `create_server_app`), draining on SIGTERM."""
+    inner = app
+    while not isinstance(inner, FastAPI):
+        inner = inner.app
+    state: ServerState = inner.state.m3lm
+
+    def start_drain() -> None:
+        state.draining = True
+        log.info("SIGTERM: draining %d open request(s) for up to %g s", state.engine.num_active, grace_s)
+
+    return DrainingServer(
+        config,
+        grace_s,
+        start_drain,
+        lambda: state.engine.num_active,
+        lambda: state.engine.interrupt_all("the server is shutting down"),
+    )
 
 
 def serve(
@@ -296,33 +271,17 @@ def serve(
 def _serve(
     model, tokenizer, model_dir, host, port, api_key, served_model_name, grace_s, limits, engine_kwargs
 ):
-    import uvicorn
-
     from m3lm.config import EngineConfig
     from m3lm.engine.engine import LLMEngine
 
-    engine = AsyncEngine(
-        LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs)), (limits or Limits()).max_queue
-    ).start()
+    limits = limits or Limits()
+    engine = AsyncEngine(LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs)), limits.max_queue).start()
     name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
-    app = create_server_app(engine, tokenizer, name, api_key, limits or Limits())
+    app = create_server_app(engine, tokenizer, name, api_key, limits)
     log.info("serving %s on http://%s:%d", name, host, port)
-    if threading.current_thread() is threading.main_thread():
-        # uvicorn drains on SIGTERM, then re-raises it: exit cleanly so the engine thread stops
-        # and a tensor-parallel group's followers are told to stop too.
-        signal.signal(signal.SIGTERM, _exit_after_drain)
+    # Streams still open when the drain ends get their error event; the rest of the grace is for that.
+    config = server_config(app, limits, grace_s=5.0, host=host, port=port, log_level="info")
     try:
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            timeout_graceful_shutdown=grace_s,
-            log_level="info",
-            h11_max_incomplete_event_size=UVICORN_MAX_HEADERS,
-        )
+        draining_server(config, app, grace_s).run()
     finally:
         engine.stop()  # the engine thread must be idle before the followers are told to stop
-
-
-def _exit_after_drain(signum, frame) -> None:
-    raise SystemExit(0)

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from m3lm.core import SamplingParams
-from m3lm.engine.async_engine import AsyncEngine, EngineDead, QueueFull, RequestStream
+from m3lm.engine.async_engine import AsyncEngine, EngineDead, Interrupted, QueueFull, RequestStream
 from m3lm.engine.engine import StepOutput
 from m3lm.server.choice import Choice, completion_logprobs, token_logprobs, usage
 from m3lm.server.metrics import Metrics
@@ -95,8 +95,14 @@ def _abort(streams: list[RequestStream]) -> None:
         s.abort()
 
 
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StepOutput]]:
-    """Outputs of several streams as (index, output), in arrival order; closing aborts them all."""
+async def merge(
+    streams: list[RequestStream], tick: float | None = None
+) -> AsyncIterator[tuple[int, StepOutput] | None]:
+    """Outputs of several streams as (index, output), in arrival order; closing aborts them all.
+
+    With `tick`, None comes after every `tick` seconds without an output (for keep-alives); waiting
+    is never what ends a stream: a queued or slow request keeps its place.
+    """
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, s: RequestStream) -> None:
@@ -112,7 +118,11 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StepOu
     live = len(tasks)
     try:
         while live:
-            i, item = await q.get()
+            try:
+                i, item = await asyncio.wait_for(q.get(), tick)
+            except asyncio.TimeoutError:
+                yield None
+                continue
             if item is None:
                 live -= 1
             elif isinstance(item, BaseException):
@@ -203,14 +213,7 @@ async def _respond(state, req, request, streams, choices, prompt_tokens, chat: b
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(state, rid, created, streams, choices, prompt_tokens, chat, include_usage, req.n)
         return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    task = asyncio.ensure_future(_collect(state, streams, choices))
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            _abort(streams)
-            raise ApiError(499, "client disconnected")
-    task.result()
+    await _collect_unless_gone(request, _collect(state, streams, choices), streams)
     totals = usage(prompt_tokens, choices, req.n)
     if chat:
         body = [
@@ -249,9 +252,32 @@ async def _respond(state, req, request, streams, choices, prompt_tokens, chat: b
     }
 
 
+async def _collect_unless_gone(request: Request, collect, streams: list[RequestStream]) -> None:
+    """Run `collect` unless the client disconnects first; then its requests are aborted."""
+    task = asyncio.ensure_future(collect)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled
+        gone.cancel()
+        left = not task.done()
+        if left:
+            task.cancel()
+            _abort(streams)
+    if left:
+        raise ApiError(499, "client disconnected")
+    task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body was read already, so only a disconnect comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _collect(state: ServerState, streams: list[RequestStream], choices: list[Choice]) -> None:
     try:
-        async for i, out in merge(streams):
+        async for i, out in merge(streams):  # type: ignore[misc]  # no tick: never None
             _check(out)
             c = choices[i]
             c.consume(out)
@@ -259,9 +285,10 @@ async def _collect(state: ServerState, streams: list[RequestStream], choices: li
                 c.logprobs += token_logprobs(state.tokenizer, out)
             if c.stopped_by_string:
                 streams[i].abort()
-                streams[i].finished = True
     except EngineDead as e:
         raise ApiError(500, f"the engine stopped: {e}", "internal_error") from None
+    except Interrupted as e:
+        raise ApiError(503, str(e), "service_unavailable") from None
     for c in choices:
         c.finish = c.finish or "abort"
 
@@ -297,17 +324,13 @@ async def _stream(
     if chat:
         for c in choices:
             yield chunk(c.index, {"delta": {"role": "assistant", "content": ""}})
-    events = merge(streams)
-    keepalive = state.limits.keepalive_s
+    events = merge(streams, state.limits.keepalive_s)
     try:
-        while True:
-            try:
-                i, out = await asyncio.wait_for(anext(events), keepalive)
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
+        async for event in events:
+            if event is None:
                 yield ": keep-alive\n\n"
                 continue
+            i, out = event
             c = choices[i]
             if c.finish is not None:
                 continue
@@ -342,6 +365,8 @@ async def _stream(
         yield _sse(error_body(e.message, e.type, code=e.status))
     except EngineDead as e:
         yield _sse(error_body(f"the engine stopped: {e}", "internal_error", code=500))
+    except Interrupted as e:
+        yield _sse(error_body(str(e), "service_unavailable", code=503))
     finally:
         await events.aclose()
     yield "data: [DONE]\n\n"

@@ -20,7 +20,7 @@ _warned_fields: set[str] = set()
 
 @dataclass(frozen=True)
 class Limits:
-    """Caps on amplifying fields and request sizes."""
+    """Caps on amplifying fields, request sizes, connections and the time a client may take."""
 
     max_n: int = 8
     max_stop: int = 16
@@ -30,7 +30,11 @@ class Limits:
     max_body_bytes: int = 8 << 20
     max_header_bytes: int = 32 << 10
     max_queue: int = 256
-    keepalive_s: float = 10.0
+    keepalive_s: float = 10.0  # a stream with nothing to send sends an SSE comment this often
+    header_timeout_s: float = 10.0  # for a request's headers to arrive, from the connection's start
+    body_timeout_s: float = 30.0  # for its body to arrive, once the headers have
+    idle_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 1024  # connections and requests beyond this get 503
 
 
 def error_body(
