@@ -69,11 +69,20 @@ def _generation_eos_ids(path: Path) -> list[int]:
     return ids
 
 
+# Pre-tokenizers that never drop input characters: with them no token covers more characters than
+# its own string has, so a text of C characters needs at least C / (longest token string) tokens.
+_KEEPING_PRETOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts"})
+# Below this share of the bound a conversation is not rendered twice to check its length: a chat
+# template repeats no part of a conversation this many times.
+_TEMPLATE_GROWTH = 8
+
+
 class Tokenizer:
     """A loaded tokenizer with the few operations generation needs; token ids are plain lists of ints.
 
     Safe to share between threads (the server encodes while the engine decodes): the underlying
-    tokenizer switches per-call state while encoding, so every call holds one lock.
+    tokenizer switches per-call state while encoding, so encoding holds a lock, and decoding uses
+    its own copy of the tokenizer, so a long encode never holds up the text of running requests.
     """
 
     def __init__(self, hf: Any, extra_eos_ids: Sequence[int] = ()) -> None:
@@ -91,6 +100,23 @@ class Tokenizer:
         params = inspect.signature(hf.apply_chat_template).parameters
         self._reserved = frozenset(params) - {"kwargs"} | {"messages"}
         self._lock = threading.RLock()
+        backend = getattr(hf, "backend_tokenizer", None)
+        self._decoder, self._decode_lock = _decoder_copy(backend), threading.Lock()
+        self.max_token_chars: int | None = _max_token_chars(hf, backend)
+        self._normalizer = backend.normalizer if backend is not None else None
+
+    def check_fits(self, text: str, max_tokens: int) -> None:
+        """Raise ValueError when `text` certainly encodes to more than `max_tokens` tokens, without
+        encoding it (a bound from its length); texts that might fit pass."""
+        per = self.max_token_chars
+        if per is None or len(text) <= max_tokens * per:
+            return
+        n = len(self._normalizer.normalize_str(text)) if self._normalizer is not None else len(text)
+        if n > max_tokens * per:
+            raise ValueError(
+                f"the prompt ({len(text)} characters) cannot fit in {max_tokens} tokens "
+                f"(no token of this tokenizer spans more than {per} characters)"
+            )
 
     def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
         """Token ids of `text`, adding no BOS/EOS: prompts from the chat template already carry their own BOS.
@@ -104,6 +130,9 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`, without the space clean-up that would make streamed and whole decodes differ."""
+        if self._decoder is not None:
+            with self._decode_lock:
+                return self._decoder.decode(list(ids), skip_special_tokens=skip_special_tokens)
         with self._lock:
             return self.hf.decode(
                 list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
@@ -121,26 +150,81 @@ class Tokenizer:
         The rendered text is tokenized without adding special tokens, so the template's own BOS is the
         only one. Bad messages or arguments raise ValueError.
         """
+        return self.chat_prompt(messages, tools, add_generation_prompt, template_kwargs)
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None = None,
+        max_tokens: int | None = None,
+    ) -> list[int]:
+        """`apply_chat_template` with the template's arguments as one mapping (a client's names never
+        clash with the parameters) and, with `max_tokens`, a refusal (ValueError) of a conversation
+        that certainly renders to more tokens, decided before it is tokenized."""
         if not self.has_chat_template:
             raise ValueError("this tokenizer has no chat template")
+        template_kwargs = dict(template_kwargs or {})
         if clash := sorted(self._reserved & template_kwargs.keys()):
             raise ValueError(f"chat template arguments {clash} are not allowed")
+        args = {
+            "conversation": [dict(m) for m in messages],
+            "tools": [dict(t) for t in tools] if tools else None,
+            "add_generation_prompt": add_generation_prompt,
+            **template_kwargs,
+        }
+        if max_tokens is not None and self.max_token_chars is not None:
+            bound = max_tokens * self.max_token_chars
+            if _text_size([messages, tools, template_kwargs]) * _TEMPLATE_GROWTH > bound:
+                self.check_fits(self._render(tokenize=False, **args), max_tokens)
+        return list(self._render(tokenize=True, return_dict=False, sanitize_control_tokens=True, **args))
+
+    def _render(self, **args: Any):
         import jinja2  # a dependency of transformers' chat templates
 
         try:
             with self._lock:
-                ids = self.hf.apply_chat_template(
-                    [dict(m) for m in messages],
-                    tools=[dict(t) for t in tools] if tools else None,
-                    add_generation_prompt=add_generation_prompt,
-                    tokenize=True,
-                    return_dict=False,
-                    sanitize_control_tokens=True,
-                    **template_kwargs,
-                )
+                return self.hf.apply_chat_template(**args)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {_one_line(e)}") from e
-        return list(ids)
+
+
+def _text_size(value: Any) -> int:
+    """Characters in the strings of a JSON-like value (its keys included)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(len(str(k)) + _text_size(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_size(v) for v in value)
+    return 0
+
+
+def _decoder_copy(backend: Any) -> Any:
+    """An independent copy of the fast tokenizer for decoding, or None for a slow tokenizer."""
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer as FastTokenizer
+
+    return FastTokenizer.from_str(backend.to_str())
+
+
+def _max_token_chars(hf: Any, backend: Any) -> int | None:
+    """The longest token string, when the pre-tokenizer keeps every character (else no bound)."""
+    if backend is None:
+        return None
+    pre = json.loads(backend.to_str()).get("pre_tokenizer")
+    steps = (pre or {}).get("pretokenizers", [pre]) if (pre or {}).get("type") == "Sequence" else [pre]
+    for step in steps:
+        if step is None:
+            continue
+        kind = step.get("type")
+        if kind == "Split" and step.get("behavior") != "Removed":
+            continue
+        if kind not in _KEEPING_PRETOKENIZERS:
+            return None
+    return max(len(t) for t in hf.get_vocab())
 
 
 class IncrementalDetokenizer:

@@ -161,3 +161,38 @@ def test_an_idle_connection_and_half_sent_headers_are_closed(live):
         assert s.recv(1024) == b""  # closed by the server
     assert timeout - 0.5 < time.monotonic() - t0 < timeout + 5
     assert httpx.get(live.url + "/health").status_code == 200
+
+
+# --- 4. a large prompt is refused before it is tokenized, and blocks no one -------------------------
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(live, monkeypatch):
+    tok = live.engine.engine.tokenizer
+    encoded = []
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: encoded.append(1) or [])
+    huge = "once upon a time " * (7 << 16)  # 7 MiB
+    for path, body in [
+        ("/v1/completions", {"prompt": huge, "max_tokens": 4}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}], "max_tokens": 4}),
+        ("/tokenize", {"prompt": huge}),
+        ("/tokenize", {"messages": [{"role": "user", "content": huge}]}),
+    ]:
+        r = httpx.post(live.url + path, json=body, headers=AUTH, timeout=20)
+        assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], (path, r.text[:200])
+    assert encoded == []
+    monkeypatch.undo()
+    r = httpx.post(live.url + "/tokenize", json={"prompt": "once upon a time " * 100}, headers=AUTH)
+    assert r.status_code == 400 and "a prompt holds at most 255" in r.json()["error"]["message"]
+
+
+def test_streams_go_on_while_a_prompt_is_being_tokenized(live):
+    """Encoding holds the tokenizer's lock; the text of running requests must not wait for it."""
+    wait_idle(live.engine)
+    tok = live.engine.engine.tokenizer
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 20, "stream": True, "ignore_eos": True}  # ids: no encode
+    url = live.url + "/v1/completions"
+    # Holding the lock as a long encode in another request would.
+    with tok._lock, httpx.stream("POST", url, json=body, headers=AUTH, timeout=10) as r:
+        events = sse(r.iter_lines())
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"

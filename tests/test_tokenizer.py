@@ -8,12 +8,14 @@ import json
 import random
 import subprocess
 import sys
+import threading
 
 import pytest
 from conftest import FIXTURES, REPO
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from m3lm import DEFAULT_MODEL
 from m3lm.errors import CheckpointError
 from m3lm.tokenizer import IncrementalDetokenizer, StopStrings, Tokenizer, load_tokenizer
 
@@ -391,3 +393,68 @@ def test_fixture_detokenizer(m3, seed):
     ids = [rng.randrange(m3.vocab_size) for _ in range(200)]
     _, text = stream(IncrementalDetokenizer(m3, skip_special_tokens=False), ids)
     assert text == m3.decode(ids)
+
+
+def length_bound_texts(tok, rng, n=60):
+    """Texts built to be dense in characters per token: long vocabulary strings, runs of spaces and
+    newlines, special-token strings, multi-byte characters."""
+    pieces = [tok.decode([i]) for i in range(tok.vocab_size)]
+    pieces.sort(key=len)
+    extras = [" " * 40, "\n" * 25, "🙂", "中文", "é", "\u0301", "-" * 30, "0123456789"]
+    out = []
+    for _ in range(n):
+        parts = rng.choices(pieces[-200:] + extras, k=rng.randrange(1, 40))
+        out.append("".join(parts))
+    return out
+
+
+@pytest.mark.parametrize("which", ["tiny", "default", "m3"])
+def test_the_length_bound_never_refuses_a_text_that_fits(which, tiny, request):
+    if which == "m3" and not FIXTURE.is_dir():
+        pytest.skip("the M3 tokenizer fixture is not here")
+    tok = {
+        "tiny": lambda: tiny,
+        "default": lambda: load_tokenizer(DEFAULT_MODEL),
+        "m3": lambda: request.getfixturevalue("m3"),
+    }[which]()
+    assert tok.max_token_chars is not None
+    rng = random.Random(7)
+    for text in length_bound_texts(tok, rng):
+        n = len(tok.encode(text))
+        tok.check_fits(text, n)  # exactly n tokens fit: never refused
+    text = "x" * (10 * tok.max_token_chars + 1)
+    with pytest.raises(ValueError, match="cannot fit in 10 tokens"):
+        tok.check_fits(text, 10)
+    assert len(tok.encode(text)) > 10  # the refusal was right
+
+
+def test_no_length_bound_when_the_pre_tokenizer_drops_characters():
+    from transformers import PreTrainedTokenizerFast
+
+    fast = RawTokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    fast.pre_tokenizer = pre_tokenizers.Whitespace()  # "a      a" is 2 tokens of 8 characters
+    tok = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=fast))
+    assert tok.max_token_chars is None
+    tok.check_fits("a " * 10_000, 1)  # no bound: nothing is refused
+
+
+def test_decoding_uses_its_own_copy_and_matches(tiny, raw):
+    rng = random.Random(3)
+    for _ in range(300):
+        ids = random_ids(rng, tiny, raw, rng.randrange(1, 12))
+        for skip in (False, True):
+            expected = tiny.hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert tiny.decode(ids, skip_special_tokens=skip) == expected
+    with tiny._lock:  # an encode in progress elsewhere
+        done = []
+        t = threading.Thread(target=lambda: done.append(tiny.decode([1, 2, 3])))
+        t.start()
+        t.join(5)
+    assert done
+
+
+def test_template_arguments_that_clash_are_refused(tiny):
+    user = [{"role": "user", "content": "x"}]
+    for name in ("messages", "tools", "add_generation_prompt", "conversation"):
+        with pytest.raises(ValueError, match="not allowed"):
+            tiny.chat_prompt(user, None, True, {name: []})

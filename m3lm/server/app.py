@@ -150,16 +150,20 @@ def build_app(
             raise ApiError(400, "this model has no tokenizer")
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages")
+        limit = state.max_prompt_tokens
         try:
             if req.messages is not None:
                 msgs = [m.for_template() for m in req.messages]
                 ids = await run_in_threadpool(
-                    tokenizer.apply_chat_template, msgs, None, True, **(req.chat_template_kwargs or {})
+                    tokenizer.chat_prompt, msgs, None, True, req.chat_template_kwargs, limit
                 )
             else:
+                tokenizer.check_fits(req.prompt, limit)
                 ids = await run_in_threadpool(tokenizer.encode, req.prompt)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        if len(ids) > limit:  # what cannot be a prompt is not listed: the answer stays small
+            raise ApiError(400, f"the text has {len(ids)} tokens; a prompt holds at most {limit}")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize", responses=common)

@@ -57,6 +57,10 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.max_model_len - 1  # the context holds the prompt and at least one new token
+
 
 def submit(state: ServerState, prompt_ids: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
     """Admit n samples of one prompt, or none of them."""
@@ -152,8 +156,9 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
             if req.tools and req.tool_choice != "none"
             else None
         )
-        kwargs = dict(req.chat_template_kwargs or {})
-        prompt_ids = await run_in_threadpool(tok.apply_chat_template, messages, tools, True, **kwargs)
+        prompt_ids = await run_in_threadpool(
+            tok.chat_prompt, messages, tools, True, req.chat_template_kwargs, state.max_prompt_tokens
+        )
         # Unset: until the context ends, as vLLM does (the engine clamps to what is left).
         max_tokens = req.max_completion_tokens or req.max_tokens or state.max_model_len
         params = req.sampling(state.defaults, max_tokens, req.requested_logprobs(), [])
@@ -190,6 +195,7 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
             if isinstance(p, str):
                 if tok is None:
                     raise ValueError("this model has no tokenizer; send token ids")
+                tok.check_fits(p, state.max_prompt_tokens)
                 p = await run_in_threadpool(tok.encode, p)
             ids.append(list(p))
         params = req.sampling(state.defaults, req.max_tokens or 16, req.logprobs, req.stops())
