@@ -90,6 +90,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0, top_p = 1 and min_p = 0 switch those filters off.
     `logprobs` asks for the chosen token's log-probability plus that many top alternatives
     (0 = the chosen token only, None = none). `seed` makes sampling reproducible per request.
+    `logit_bias` adds (token id, bias) to the logits before anything else. Only requests with the
+    same `cache_salt` share prefix-cache pages.
     """
 
     max_tokens: int = 256
@@ -106,8 +108,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    cache_salt: str | None = None
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 1024  # entries: more would make every step's bias tensor a request's to size
     INT64_RANGE = (-(2**63), 2**63 - 1)  # seed and top_k: signed 64-bit integers, as the sampler holds them
 
     def __post_init__(self) -> None:
@@ -141,6 +146,11 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if self.seed is not None and (not isinstance(self.seed, int) or not lo <= self.seed <= hi):
             bad("seed", "must be a signed 64-bit integer")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+            bad("logit_bias", f"at most {self.MAX_LOGIT_BIAS} entries")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            bad("logit_bias", "token ids must be >= 0 and biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,7 @@
 
 Shapes: B sequences, V vocab, k top alternatives. The pure functions take per-row parameters as
 [B] tensors, never read values back to the host, and mark dropped tokens with -inf. `Sampler`
-applies them in vLLM's order: penalties -> temperature -> top_k -> top_p -> min_p -> sample.
+applies them in vLLM's order: logit bias -> penalties -> temperature -> top_k -> top_p -> min_p -> sample.
 """
 
 from __future__ import annotations
@@ -39,6 +39,23 @@ def apply_penalties(
     logits = torch.where(seen, penalised, logits)
     logits = logits - frequency[:, None] * counts
     return logits - presence[:, None] * (counts > 0).to(logits.dtype)  # [B, V]
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: Sequence[Sequence[tuple[int, float]]]) -> torch.Tensor:
+    """logits [B, V] plus each row's (token id, bias) pairs."""
+    rows = [b for b, pairs in enumerate(biases) for _ in pairs]
+    if not rows:
+        return logits
+    cols = [t for pairs in biases for t, _ in pairs]
+    values = [v for pairs in biases for _, v in pairs]
+    dev = logits.device
+    bias = torch.zeros_like(logits)
+    bias.index_put_(
+        (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+        torch.tensor(values, dtype=logits.dtype, device=dev),
+        accumulate=True,
+    )
+    return logits + bias
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -156,8 +173,8 @@ def _token_tensors(
 class Sampler:
     """Turns the last-position logits of B sequences into next tokens, one `SamplingParams` per row.
 
-    Order: penalties -> temperature -> top_k -> top_p -> min_p -> sample (greedy rows: argmax).
-    Steps that no row needs are skipped. Per-row tensors are built from the host-side lists and
+    Order: logit bias -> penalties -> temperature -> top_k -> top_p -> min_p -> sample (greedy rows:
+    argmax). Steps that no row needs are skipped. Per-row tensors are built from the host-side lists and
     uploaded; nothing is read back, so the caller does the one transfer of `token_ids`.
     """
 
@@ -177,7 +194,7 @@ class Sampler:
         def per_row(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)  # [B]
 
-        x = raw
+        x = apply_logit_bias(raw, [p.logit_bias for p in params])
         if any(
             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             for p in params

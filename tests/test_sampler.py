@@ -252,3 +252,29 @@ def test_sampler_skips_unneeded_work(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(sampler_mod, "sample_rows", boom)
     out = Sampler()(logits, [SamplingParams(temperature=0.0)] * 2, [[], []], [[], []], [None, None])
     assert out.token_ids.tolist() == [2, 0]
+
+
+def test_logit_bias_adds_each_rows_pairs():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 10, generator=g)
+    biases = [[(2, 5.0), (7, -1.5), (2, 0.5)], [], [(9, -100.0)]]
+    expected = logits.clone()
+    for b, pairs in enumerate(biases):
+        for t, v in pairs:
+            expected[b, t] += v
+    assert torch.equal(sampler_mod.apply_logit_bias(logits, biases), expected)
+    assert sampler_mod.apply_logit_bias(logits, [[], [], []]) is logits
+
+
+def test_logit_bias_steers_sampling_and_is_validated():
+    logits = torch.zeros(2, 8)
+    params = [SamplingParams(temperature=1.0, logit_bias=((5, 100.0),)), SamplingParams(temperature=0)]
+    out = sampler_mod.Sampler()(logits, params, [[1], [1]], [[], []], [None, None])
+    assert out.token_ids[0].item() == 5 and out.token_ids[1].item() == 0
+    for bad in (
+        ((1, 101.0),),
+        ((-1, 1.0),),
+        tuple((i, 1.0) for i in range(SamplingParams.MAX_LOGIT_BIAS + 1)),
+    ):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

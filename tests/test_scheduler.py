@@ -307,3 +307,15 @@ def test_a_waiting_prompt_goes_on_when_the_prefill_it_waits_for_ends():
     plan = dict(sched.schedule())
     assert b in plan and b.num_prefix_cached == 4  # the page a sealed, then b computes the rest
     bm.check()
+
+
+def test_a_cache_salt_separates_page_chains():
+    bm = BlockManager(num_pages=16, page_size=4)
+    tokens = list(range(13))
+    for seq, salt in [(1, "a"), (2, None)]:
+        assert bm.match(seq, tokens, salt) == 0
+        assert bm.ensure(seq, len(tokens))
+        bm.seal(seq, len(tokens), lambda s, e: tokens[s:e])
+        bm.free(seq)
+    assert bm.match(3, tokens, "a") == 12 and bm.match(4, tokens, None) == 12
+    assert bm.match(5, tokens, "b") == 0

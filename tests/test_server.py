@@ -17,7 +17,7 @@ from m3lm.config import EngineConfig
 from m3lm.engine.async_engine import AsyncEngine
 from m3lm.engine.engine import LLMEngine
 from m3lm.sampler import SampleOutput
-from m3lm.server.app import create_server_app, server_config
+from m3lm.server.app import create_server_app, draining_server, server_config
 from m3lm.server.protocol import Limits
 
 API_KEY = "sk-test-123"
@@ -27,14 +27,15 @@ NAME = "tiny"
 class LiveServer:
     """uvicorn serving the app in a thread, on a free loopback port, with the served settings."""
 
-    def __init__(self, app, limits: Limits | None = None):
+    def __init__(self, app, limits: Limits | None = None, drain_s: float | None = None):
         import uvicorn
 
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         config = server_config(app, limits or Limits(), grace_s=2, log_level="warning")
-        self.server = uvicorn.Server(config)
+        # drain_s: SIGTERM (handle_exit) drains for that long, as `m3lm serve` does
+        self.server = uvicorn.Server(config) if drain_s is None else draining_server(config, app, drain_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
@@ -60,12 +61,12 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def start(checkpoint, api_key=API_KEY, limits=None, **engine_kwargs):
+def start(checkpoint, api_key=API_KEY, limits=None, grace_s=None, **engine_kwargs):
     model, tok = m3lm.load(checkpoint, device="cpu")
     cfg = {"max_model_len": 256, "max_num_seqs": 16, **engine_kwargs}
     limits = limits or Limits()
     engine = AsyncEngine(LLMEngine(model, tok, EngineConfig(**cfg)), limits.max_queue).start()
-    server = LiveServer(create_server_app(engine, tok, NAME, api_key, limits), limits)
+    server = LiveServer(create_server_app(engine, tok, NAME, api_key, limits), limits, grace_s)
     server.engine = engine
     return server
 

@@ -4,7 +4,10 @@ Every test runs against a real server over real HTTP with the served settings (k
 interval, timeouts, connection caps), through the official `openai` client where it applies.
 """
 
+import contextlib
 import json
+import logging
+import random
 import socket
 import time
 
@@ -148,21 +151,6 @@ def test_a_non_streamed_request_is_aborted_when_its_client_disconnects(live):
         runner.run = real
 
 
-def test_an_idle_connection_and_half_sent_headers_are_closed(live):
-    timeout = Limits().header_timeout_s
-    idle, half = (
-        socket.create_connection(("127.0.0.1", live.port)),
-        socket.create_connection(("127.0.0.1", live.port)),
-    )
-    half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-    t0 = time.monotonic()
-    for s in (idle, half):
-        s.settimeout(timeout + 5)
-        assert s.recv(1024) == b""  # closed by the server
-    assert timeout - 0.5 < time.monotonic() - t0 < timeout + 5
-    assert httpx.get(live.url + "/health").status_code == 200
-
-
 # --- 4. a large prompt is refused before it is tokenized, and blocks no one -------------------------
 
 
@@ -196,3 +184,182 @@ def test_streams_go_on_while_a_prompt_is_being_tokenized(live):
         events = sse(r.iter_lines())
     chunks = [e for e in events if isinstance(e, dict)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+
+
+# --- 5. slow clients are cut off; a request without the key is refused on its headers --------------
+
+
+def test_slow_and_keyless_clients_are_cut_off(live):
+    limits = Limits()
+    addr = ("127.0.0.1", live.port)
+    idle, half, trickle, keyless = (socket.create_connection(addr) for _ in range(4))
+    half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    trickle.sendall(f"{head}Authorization: Bearer {API_KEY}\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+    # A keyless client announcing 8 MB: refused at once, before any of the body is read.
+    keyless.sendall(f"{head}Content-Length: 8000000\r\n\r\n".encode())
+    keyless.settimeout(5)
+    assert keyless.recv(4096).startswith(b"HTTP/1.1 401")
+    t0 = time.monotonic()
+    closed = {}
+    for s in (idle, half, trickle):
+        s.settimeout(0.5)
+    while len(closed) < 3 and time.monotonic() - t0 < limits.body_timeout_s + 10:
+        with contextlib.suppress(OSError):
+            trickle.sendall(b"1\r\n \r\n")  # a byte of body every half second, forever
+        for name, s in (("idle", idle), ("half", half), ("trickle", trickle)):
+            if name in closed:
+                continue
+            try:
+                data = s.recv(4096)
+            except TimeoutError:
+                continue
+            closed[name] = (time.monotonic() - t0, data)
+        assert httpx.get(live.url + "/health").status_code == 200  # serving meanwhile
+    assert closed["idle"][1] == b"" and closed["half"][1] == b""
+    assert limits.header_timeout_s - 1 < closed["half"][0] < limits.header_timeout_s + 3
+    assert closed["trickle"][1].startswith(b"HTTP/1.1 408")
+    assert limits.body_timeout_s - 1 < closed["trickle"][0] < limits.body_timeout_s + 3
+
+
+# --- 6-8. junk in the request ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}'),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'),
+        ("/tokenize", '{"prompt": "\\ud800"}'),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+            '"function": {"name": "f", "description": "\\ud83d"}}]}',
+        ),
+        ("/v1/completions", '{"prompt": "hi", "\\ud800": 1}'),
+    ],
+)
+def test_an_unpaired_surrogate_is_a_400(live, path, body):
+    r = httpx.post(live.url + path, content=body, headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+
+
+def test_unknown_fields_are_logged_as_a_bounded_summary(client, live, caplog):
+    from m3lm.server import protocol
+
+    rng = random.Random(5)
+    with caplog.at_level(logging.INFO, logger="m3lm.server"):
+        for _ in range(3):
+            extra = {f"x{rng.getrandbits(64):x}": 1 for _ in range(20_000)}
+            client.completions.create(model=NAME, prompt="hi", max_tokens=1, extra_body=extra)
+    lines = [r for r in caplog.records if "unknown request field" in r.getMessage()]
+    assert len(lines) == 3 and all(len(r.getMessage()) < 1000 for r in lines)
+    assert len(protocol._warned_fields) <= protocol._MAX_WARNED
+
+
+def test_smaller_request_faults(client, live):
+    for kwargs in ({"messages": []}, {"tools": []}, {"add_generation_prompt": False}):
+        with pytest.raises(openai.BadRequestError, match="not allowed"):
+            client.chat.completions.create(
+                model=NAME, messages=MSG, max_tokens=2, extra_body={"chat_template_kwargs": kwargs}
+            )
+    top = 2**63 - 1  # the choices' seeds wrap around instead of overflowing
+    reply = client.completions.create(model=NAME, prompt="hi", max_tokens=2, n=3, seed=top)
+    assert len(reply.choices) == 3
+    raw = socket.create_connection(("127.0.0.1", live.port))
+    raw.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+    raw.settimeout(5)
+    answer = raw.recv(4096).decode()
+    assert answer.startswith("HTTP/1.1 400") and '"invalid_request_error"' in answer
+    r = httpx.get(live.url + "/v1/models/", headers={**AUTH, "Host": "evil.example"})
+    assert r.status_code == 404 and "location" not in r.headers
+
+
+# --- 9. the prefix cache is shared only within a cache salt -----------------------------------------
+
+
+def test_cache_salt_keeps_tenants_apart(client, live):
+    msgs = [{"role": "user", "content": "the secret system prompt of tenant A " * 6}]
+
+    def cached(salt):
+        extra = {"cache_salt": salt} if salt else {}
+        reply = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=1, extra_body=extra)
+        wait_idle(live.engine)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    again = cached("tenant-a")
+    assert again > 0  # the same tenant reuses its pages
+    assert cached("tenant-b") == 0  # another tenant learns nothing
+    # Unsalted requests share only what unsalted requests sent (here: the chat template's header).
+    assert cached(None) < again
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=NAME, messages=msgs, max_tokens=1, extra_body={"cache_salt": ""})
+
+
+# --- 10. fields the server would otherwise ignore ---------------------------------------------------
+
+
+def test_logit_bias_and_refused_fields(client, live):
+    favourite = 42
+    reply = client.completions.create(
+        model=NAME, prompt="once upon a time", max_tokens=6, temperature=1.0, logit_bias={str(favourite): 100}
+    )
+    tok = live.engine.engine.tokenizer
+    assert reply.choices[0].text == tok.decode([favourite] * 6, skip_special_tokens=True)
+    greedy = client.completions.create(model=NAME, prompt="once upon a time", max_tokens=1, temperature=0)
+    first = tok.encode(greedy.choices[0].text)[0]
+    banned = client.completions.create(
+        model=NAME, prompt="once upon a time", max_tokens=1, temperature=0, logit_bias={str(first): -100}
+    )
+    assert banned.choices[0].text != greedy.choices[0].text
+    vocab = live.engine.engine.model.args.vocab_size
+    for extra in (
+        {"logit_bias": {str(vocab): 1}},
+        {"logit_bias": {"x": 1}},
+        {"logit_bias": {"1": 101}},
+        {"best_of": 2},
+        {"suffix": "the end"},
+        {"response_format": {"type": "json_object"}},
+    ):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=NAME, prompt="hi", max_tokens=1, extra_body=extra)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(
+            model=NAME, messages=MSG, max_tokens=1, response_format={"type": "json_object"}
+        )
+
+
+# --- SIGTERM: a drain, then an error event for what is still open ----------------------------------
+
+
+def test_sigterm_drains_then_ends_open_streams_with_an_error(checkpoint):
+    import signal
+
+    server = start(checkpoint, grace_s=1.0)
+    runner = server.engine.engine.runner
+    real = runner.run
+
+    def slow(*a, **k):  # 200 steps: far longer than the grace period
+        time.sleep(0.05)
+        return real(*a, **k)
+
+    runner.run = slow
+    try:
+        body = {"prompt": "once", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            server.server.handle_exit(signal.SIGTERM, None)
+            assert httpx.get(server.url + "/health").status_code == 503
+            late = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, headers=AUTH)
+            assert late.status_code == 503
+            events = sse(lines)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == 503 and "shutting down" in events[-2]["error"]["message"]
+        server.thread.join(10)
+        assert not server.thread.is_alive()
+        wait_idle(server.engine)
+    finally:
+        runner.run = real
+        server.stop()

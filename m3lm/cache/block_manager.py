@@ -44,6 +44,7 @@ class BlockManager:
         self._chains: dict[int, list[bytes]] = {}  # seq -> names of its full pages so far
         self._promised: dict[bytes, int] = {}  # name -> the sequence about to compute that page
         self._promises: dict[int, list[bytes]] = {}  # seq -> the names it promised
+        self._roots: dict[int, bytes] = {}  # seq -> the name its chain starts from (its cache salt)
 
     @property
     def num_free(self) -> int:
@@ -69,14 +70,19 @@ class BlockManager:
         """Pages `seq_id` still needs to hold `tokens` positions."""
         return max(0, self.pages_for(tokens) - len(self.table(seq_id)))
 
-    def match(self, seq_id: int, tokens: list[int]) -> int:
+    def match(self, seq_id: int, tokens: list[int], salt: str | None = None) -> int:
         """Start a sequence that holds no pages on the cached pages of its longest prefix; returns
         the positions they hold. At least the last token is left to compute (its logits are
-        needed), so a prompt found whole gives back its last page, which is then recomputed."""
+        needed), so a prompt found whole gives back its last page, which is then recomputed.
+        With a `salt` the chain of page names starts from it: only sequences with the same salt
+        share pages, so one tenant cannot learn from timing or cached counts what another sent."""
         assert not self.table(seq_id), "match only starts a sequence"
         if not self.prefix_caching:
             return 0
-        names, pages, name = [], [], b""
+        root = hashlib.sha256(b"cache_salt\0" + salt.encode()).digest() if salt else b""
+        if root:
+            self._roots[seq_id] = root
+        names, pages, name = [], [], root
         for start in range(0, len(tokens) - self.page_size, self.page_size):  # pages before the last token
             name = page_key(name, tokens[start : start + self.page_size])
             page = self._pages.get(name)
@@ -97,7 +103,7 @@ class BlockManager:
         if not self.prefix_caching:
             return
         chain = self._chains.get(seq_id, [])
-        name, names = (chain[-1] if chain else b""), []
+        name, names = (chain[-1] if chain else self._roots.get(seq_id, b"")), []
         for start in range(len(chain) * self.page_size, len(tokens) - self.page_size + 1, self.page_size):
             name = page_key(name, tokens[start : start + self.page_size])
             if name not in self._pages and name not in self._promised:
@@ -112,7 +118,9 @@ class BlockManager:
         start = len(chain) * self.page_size
         if not self.prefix_caching or start + self.page_size >= len(tokens):
             return False
-        name = page_key(chain[-1] if chain else b"", tokens[start : start + self.page_size])
+        name = page_key(
+            chain[-1] if chain else self._roots.get(seq_id, b""), tokens[start : start + self.page_size]
+        )
         return self._promised.get(name, seq_id) != seq_id
 
     def ensure(self, seq_id: int, tokens: int) -> bool:
@@ -136,7 +144,9 @@ class BlockManager:
         table = self._tables.get(seq_id, [])
         while (len(chain) + 1) * self.page_size <= cached:
             start = len(chain) * self.page_size
-            name = page_key(chain[-1] if chain else b"", tokens(start, start + self.page_size))
+            name = page_key(
+                chain[-1] if chain else self._roots.get(seq_id, b""), tokens(start, start + self.page_size)
+            )
             chain.append(name)
             self._promised.pop(name, None)
             page = table[len(chain) - 1]
@@ -148,6 +158,7 @@ class BlockManager:
         stay cached, tail first in line to be reused. keep=False (a failed sequence) forgets the
         names of the pages it alone held, so that nothing it wrote is reused."""
         self._chains.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
         for name in self._promises.pop(seq_id, []):
             if self._promised.get(name) == seq_id:
                 del self._promised[name]

@@ -119,7 +119,7 @@ class AsyncEngine:
         if self.error is not None:
             raise EngineDead(self.error)
         request_id = request_id or f"req-{next(self._ids)}"
-        self.engine.validate(prompt_ids)
+        self.engine.validate(prompt_ids, params)
         with self._lock:
             if len(self._streams) >= self.engine.config.max_num_seqs + self.max_queue:
                 raise QueueFull("the server is at capacity; retry later")

@@ -101,8 +101,9 @@ class LLMEngine:
     def default_params(self, **overrides) -> SamplingParams:
         return SamplingParams.from_generation_config(self.generation_config, **overrides)
 
-    def validate(self, prompt_ids: list[int]) -> None:
-        """Raise ValueError for an empty, too long or out-of-vocabulary prompt (reads no engine state)."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Raise ValueError for an empty, too long or out-of-vocabulary prompt, or a logit bias
+        outside the vocabulary (reads no engine state)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -114,6 +115,9 @@ class LLMEngine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None) if params else None
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -123,7 +127,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = [int(t) for t in prompt_ids]
-        self.validate(prompt_ids)
+        self.validate(prompt_ids, params)
         seq = Sequence(
             seq_id=next(self._ids),
             request_id=request_id,

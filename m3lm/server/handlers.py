@@ -73,7 +73,7 @@ def submit(state: ServerState, prompt_ids: list[int], params: SamplingParams, n:
     streams: list[RequestStream] = []
     try:
         for i in range(n):
-            p = params if n == 1 or params.seed is None else _with_seed(params, params.seed + i)
+            p = params if n == 1 or params.seed is None else _with_seed(params, _nth_seed(params.seed, i))
             streams.append(state.engine.add(prompt_ids, p))
     except QueueFull as e:
         state.metrics.rejections.labels(state.model_name).inc()
@@ -86,6 +86,11 @@ def submit(state: ServerState, prompt_ids: list[int], params: SamplingParams, n:
         _abort(streams)
         raise ApiError(400, str(e)) from None
     return streams
+
+
+def _nth_seed(seed: int, i: int) -> int:
+    """The seed of a request's i-th choice: seed + i, wrapping around the signed 64-bit range."""
+    return (seed + i + 2**63) % 2**64 - 2**63
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API, their limits, and the error object.
 
-Unknown fields are accepted and ignored (logged once per name), as vLLM does; wrong types and
-out-of-range values are a 400.
+Unknown fields are accepted and ignored (logged, a bounded summary per request), as vLLM does;
+wrong types, out-of-range values, unpaired surrogates in text, and fields whose meaning the server
+does not implement (rather than silently ignoring them) are a 400.
 """
 
 from __future__ import annotations
@@ -10,12 +11,44 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from m3lm.core import SamplingParams
 
 log = logging.getLogger("m3lm.server")
-_warned_fields: set[str] = set()
+_warned_fields: set[str] = set()  # unknown names already logged, at most _MAX_WARNED of them
+_MAX_WARNED = 256
+_NAMES_PER_LINE = 8
+
+
+def _reject_surrogates(value: Any, where: str = "") -> None:
+    """Raise ValueError for a string (key or value) holding an unpaired UTF-16 surrogate, which
+    JSON can escape ("\\ud800") but no UTF-8 text can hold."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"{where or 'a string'} holds an unpaired surrogate (invalid Unicode)"
+                ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _reject_surrogates(k, where)
+            _reject_surrogates(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _reject_surrogates(v, f"{where}[{i}]")
+
+
+class _Body(BaseModel):
+    """A request body: its text must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _reject_surrogates(data)
+        return data
 
 
 @dataclass(frozen=True)
@@ -65,7 +98,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class _Request(_Body):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
@@ -86,11 +119,20 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    response_format: dict[str, Any] | None = None
 
     def warn_unknown(self) -> None:
-        for name in (self.model_extra or {}).keys() - _warned_fields:
-            _warned_fields.add(name)
-            log.info("ignoring unknown request field %r", name)
+        """One log line for the unknown fields not logged before (remembering a bounded number)."""
+        new = sorted((self.model_extra or {}).keys() - _warned_fields)
+        if not new:
+            return
+        room = max(0, _MAX_WARNED - len(_warned_fields))
+        _warned_fields.update(new[:room])
+        shown = ", ".join(repr(n[:64]) for n in new[:_NAMES_PER_LINE])
+        more = f" and {len(new) - _NAMES_PER_LINE} more" if len(new) > _NAMES_PER_LINE else ""
+        log.info("ignoring unknown request field(s) %s%s", shown, more)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -106,6 +148,17 @@ class _Request(BaseModel):
             raise ValueError(f"stop strings are limited to {limits.max_stop_chars} characters")
         if len(self.stop_token_ids or []) > 256:
             raise ValueError("at most 256 stop_token_ids")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise ValueError("response_format is not supported yet: structured output is not enforced")
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs; its keys are token ids written as strings."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or len(key) > 12:
+                raise ValueError(f"logit_bias: {key[:32]!r} is not a token id")
+            pairs.append((int(key), value))
+        return tuple(pairs)
 
     def sampling(
         self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, stops: list[str]
@@ -132,6 +185,8 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.bias(),
+            cache_salt=self.cache_salt,
         )
 
 
@@ -204,6 +259,8 @@ class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     def check_limits(self, limits: Limits) -> None:
         super().check_limits(limits)
@@ -211,6 +268,10 @@ class CompletionRequest(_Request):
             raise ValueError(f"logprobs = {self.logprobs} exceeds the limit of {limits.max_top_logprobs}")
         if self.echo:
             raise ValueError("echo is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of is not supported (only 1); use n for several choices")
+        if self.suffix:
+            raise ValueError("suffix is not supported: this model does not fill in the middle")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -223,7 +284,7 @@ class CompletionRequest(_Request):
         return list(p)  # type: ignore[arg-type]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model_config = ConfigDict(strict=True)
 
     model: str | None = None
