@@ -37,6 +37,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
 QUANT_MODES = ("auto", "mxfp8", "none")
 FP32_PARAMS = ("block_sparse_moe.gate.weight", "block_sparse_moe.e_score_correction_bias")
+# safetensors dtypes a plain weight may have; integers would be cast to floats and load as garbage.
+FLOAT_DTYPES = ("F16", "BF16", "F32")
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,12 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3) -> list[Source]:
                 continue
         elif dtype == "F8_E4M3":
             errors.append(f"{name}: float8 tensor without its {SCALE_SUFFIX} scales")
+            continue
+        elif dtype not in FLOAT_DTYPES:
+            errors.append(
+                f"{name}: dtype {dtype} is not supported (expected one of {', '.join(FLOAT_DTYPES)}, "
+                f"or F8_E4M3 with U8 {SCALE_SUFFIX} scales)"
+            )
             continue
         for p in r.pieces:
             written[(p.param, p.slot)] += 1

@@ -161,3 +161,37 @@ def test_load_streams_into_requested_dtype(tmp_path, release_tensors):
     assert not any(p.requires_grad for p in model.parameters())
     save_file({"x": torch.zeros(1)}, tmp_path / "unused.safetensors")  # stray files are ignored
     m3lm.load(tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.float64, torch.bool])
+def test_non_float_weight_is_refused_with_its_dtype(tmp_path, release_tensors, dtype):
+    t = dict(release_tensors)
+    name = "language_model.model.layers.0.self_attn.q_proj.weight"
+    t[name] = t[name].to(dtype)
+    found = {torch.int32: "I32", torch.int8: "I8", torch.float64: "F64", torch.bool: "BOOL"}[dtype]
+    with pytest.raises(CheckpointError) as e:
+        m3lm.load(write(tmp_path, t), device="cpu")
+    assert f"{name}: dtype {found} is not supported (expected one of F16, BF16, F32" in str(e.value)
+
+
+def test_half_precision_weights_load(tmp_path, release_tensors):
+    t = {
+        k: v.to(torch.bfloat16 if i % 2 else torch.float16)
+        for i, (k, v) in enumerate(release_tensors.items())
+    }
+    model, _ = m3lm.load(write(tmp_path, t), device="cpu")
+    name = "language_model.model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, t[name].float())
+
+
+def test_mxfp8_scales_must_be_uint8(tmp_path, release_tensors):
+    from m3lm.kernels.fp8 import quantize_mxfp8
+
+    t = dict(release_tensors)
+    name = "language_model.model.layers.0.self_attn.q_proj.weight"
+    t[name], scale = quantize_mxfp8(t[name])
+    t[name + "_scale_inv"] = scale.to(torch.int16)
+    with pytest.raises(
+        CheckpointError, match=f"{name}: MXFP8 weight must be F8_E4M3.*found F8_E4M3 with I16"
+    ):
+        m3lm.load(write(tmp_path, t), device="cpu")
