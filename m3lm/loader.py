@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -167,15 +169,18 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3) -> list[Source]:
         errors.append(
             f"unexpected language-model tensor(s) that no parameter claims: {', '.join(sorted(unclaimed))}"
         )
-    expected = [
-        (n, s)
-        for n, shape in params.items()
-        for s in ([None] if not n.endswith(("w1", "w2", "w3")) else range(shape[0]))
-    ]
-    missing = [release_name(n, s) for n, s in expected if written[(n, s)] == 0]
+    missing = _missing(params, written)
     twice = [release_name(n, s) for (n, s), c in written.items() if c > 1]
     if missing:
-        errors.append(f"missing tensor(s): {', '.join(missing)}")
+        errors.append(f"missing tensor(s): {missing}")
+        want, have = (
+            sum(math.prod(s) for s in params.values()),
+            sum(math.prod(t[1]) for t in tensors.values()),
+        )
+        if want > have:
+            errors.append(
+                f"config.json describes {want:,} parameters but the checkpoint's tensors hold only {have:,} values"
+            )
     if twice:
         errors.append(
             f"tensor(s) given more than once (e.g. packed and separate shared expert): {', '.join(twice)}"
@@ -183,6 +188,23 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3) -> list[Source]:
     if errors:
         raise CheckpointError("; ".join(errors))
     return sources
+
+
+def _missing(params: dict[str, tuple[int, ...]], written: dict, limit: int = 20) -> str:
+    """The first `limit` unwritten parameter slots by name, and how many more. Slots are walked
+    lazily: a config can promise far more expert slots than fit in memory as a list."""
+    slots = (
+        (n, s)
+        for n, shape in params.items()
+        for s in ([None] if not n.endswith(("w1", "w2", "w3")) else range(shape[0]))
+    )
+    names = [
+        release_name(n, s) for n, s in islice(((n, s) for n, s in slots if not written.get((n, s))), limit)
+    ]
+    total = sum(shape[0] if n.endswith(("w1", "w2", "w3")) else 1 for n, shape in params.items())
+    covered = sum(1 for (n, s), c in written.items() if c and (s is None or s < params[n][0]))
+    more = total - covered - len(names)
+    return ", ".join(names) + (f" (and {more:,} more)" if more > 0 else "")
 
 
 def _read_scale(st, src: Source):

@@ -195,3 +195,33 @@ def test_mxfp8_scales_must_be_uint8(tmp_path, release_tensors):
         CheckpointError, match=f"{name}: MXFP8 weight must be F8_E4M3.*found F8_E4M3 with I16"
     ):
         m3lm.load(write(tmp_path, t), device="cpu")
+
+
+def test_config_promising_more_weights_than_the_files_hold_is_refused(tmp_path, release_tensors):
+    big = Spec(experts=60)
+    want = sum(t.numel() for t in hf_model(big).state_dict().values())
+    have = sum(t.numel() for t in release_tensors.values())
+    with pytest.raises(CheckpointError) as e:
+        m3lm.load(write(tmp_path, release_tensors, release_config(big)), device="cpu")
+    msg = str(e.value)
+    assert (
+        f"config.json describes {want:,} parameters but the checkpoint's tensors hold only {have:,} values"
+        in msg
+    )
+    # per MoE layer: 54 absent experts x 3 matrices + the mis-shaped router and bias; 20 named
+    assert (
+        "layers.1.block_sparse_moe.experts.6.w1.weight" in msg
+        and f"(and {2 * (54 * 3 + 2) - 20} more)" in msg
+    )
+
+
+def test_huge_expert_count_is_refused_without_listing_every_slot(tmp_path, release_tensors):
+    import tracemalloc
+
+    cfg = release_config(Spec(experts=16384))
+    tracemalloc.start()
+    with pytest.raises(CheckpointError, match=r"\(and 98,2\d\d more\).*config.json describes"):
+        m3lm.load(write(tmp_path, release_tensors, cfg), device="cpu")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 50 * 2**20
