@@ -105,6 +105,8 @@ class ModelArgs:
             raise ConfigError(f"cannot read {path}: {e}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"{path} is nested too deeply to be a model config") from None
         if not isinstance(config, dict):
             raise ConfigError(f"{path} must hold a JSON object, found {type(config).__name__}")
         return parse_config(config)
@@ -196,14 +198,19 @@ def _quant_method(config: dict[str, Any], text: dict[str, Any]) -> str | None:
     qc = config.get("quantization_config") or text.get("quantization_config")
     if qc is None:
         return None
-    method = qc.get("quant_method") if isinstance(qc, dict) else qc
+    if not isinstance(qc, dict):
+        raise ConfigError(
+            f"config.json: 'quantization_config' = {qc!r} must be an object such as "
+            '{"quant_method": "mxfp8", "weight_block_size": [1, 32]}'
+        )
+    method = qc.get("quant_method")
     if method not in QUANT_METHODS:
         raise ConfigError(
             f"config.json: 'quantization_config.quant_method' = {method!r} is not supported "
             f"(expected one of {list(QUANT_METHODS)})"
         )
     block = qc.get("weight_block_size", [1, 32])
-    if list(block) != [1, 32]:
+    if block != [1, 32]:
         raise ConfigError(
             f"config.json: 'quantization_config.weight_block_size' = {block!r} is not supported (expected [1, 32])"
         )

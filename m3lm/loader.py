@@ -63,6 +63,23 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     raise ValueError(f"unsupported dtype {dtype!r} (expected one of {sorted(DTYPES)})")
 
 
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """A torch device or its name (default cuda if available); one that this machine lacks is a ValueError."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return dev
+
+
 def resolve_quant(quant: str | None, args: ModelArgs, device: torch.device) -> str | None:
     """ "auto": keep an MXFP8 checkpoint in 8 bits on a GPU (dequantise on the CPU); "mxfp8": keep
     (or quantise at load) whatever the checkpoint; "none": dequantise. Returns the model's quant."""
@@ -85,8 +102,10 @@ def weight_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CheckpointError(
+                f"{index}: not a valid safetensors index ({type(e).__name__}: {e})"
+            ) from None
         files = [path / f for f in dict.fromkeys(weight_map.values())]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -277,11 +296,7 @@ def load_model(
     path = check_dir(path)
     args = ModelArgs.from_file(path / "config.json")
     files = weight_files(path)
-    dev = (
-        torch.device(device)
-        if device is not None
-        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     auto = (quant or "auto") == "auto"
     quant = resolve_quant(quant, args, dev)

@@ -140,6 +140,10 @@ class Tokenizer:
                 )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {_one_line(e)}") from e
+        except ValueError:
+            raise
+        except Exception as e:  # the template is checkpoint code: 1/0 or "a" + 1 raise plain Python errors
+            raise ValueError(f"chat template: {_one_line(e)}") from e
         return list(ids)
 
 

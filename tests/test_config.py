@@ -83,6 +83,7 @@ BAD = [
     ("text_config.sparse_attention_config.sparse_local_block", 4, "local blocks (4)"),
     ("quantization_config", {"quant_method": "gptq"}, "quant_method' = 'gptq'"),
     ("text_config.tie_word_embeddings", True, "tie_word_embeddings"),
+    ("quantization_config", {"quant_method": "mxfp8", "weight_block_size": 32}, "weight_block_size' = 32"),
     ("text_config.num_local_experts", 10**9, "num_local_experts' = 1000000000 exceeds the limit 16384"),
     ("text_config.num_local_experts", True, "num_local_experts' = True must be an integer"),
     ("text_config.num_hidden_layers", 2.0, "num_hidden_layers' = 2.0 must be an integer"),
