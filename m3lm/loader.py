@@ -106,7 +106,14 @@ def weight_files(path: Path) -> list[Path]:
             raise CheckpointError(
                 f"{index}: not a valid safetensors index ({type(e).__name__}: {e})"
             ) from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
         files = [path / f for f in dict.fromkeys(weight_map.values())]
+        # An index is data from the checkpoint: it may not make us read files elsewhere.
+        root = path.resolve()
+        outside = [str(f) for f in files if not f.resolve().is_relative_to(root)]
+        if outside:
+            raise CheckpointError(f"{index} names shard(s) outside the model folder: {', '.join(outside)}")
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")

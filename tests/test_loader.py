@@ -225,3 +225,30 @@ def test_huge_expert_count_is_refused_without_listing_every_slot(tmp_path, relea
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 50 * 2**20
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot", "symlink"])
+def test_index_may_not_name_shards_outside_the_model_folder(tmp_path, release_tensors, where):
+    outside = tmp_path / "elsewhere.safetensors"
+    save_file({"x": torch.zeros(1)}, outside)
+    path = write(tmp_path / "m", release_tensors, shards=2)
+    index = path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    name = {"absolute": str(outside), "dotdot": "../elsewhere.safetensors", "symlink": "link.safetensors"}[
+        where
+    ]
+    if where == "symlink":
+        (path / name).symlink_to(outside)
+    data["weight_map"]["x"] = name
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError) as e:
+        m3lm.load(path, device="cpu")
+    assert str(e.value) == f"{index} names shard(s) outside the model folder: {path / name}"
+
+
+def test_index_with_non_string_file_is_refused(tmp_path, release_tensors):
+    path = write(tmp_path, release_tensors, shards=2)
+    index = path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"x": 5}}))
+    with pytest.raises(CheckpointError, match="'weight_map' must map tensor names to file names"):
+        m3lm.load(path, device="cpu")
