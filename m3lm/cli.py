@@ -266,10 +266,23 @@ def _default_model(args: argparse.Namespace) -> None:
         args.model = str(DEFAULT_MODEL)
 
 
+def version() -> str:
+    """The installed distribution's version; the package's own when run from a plain source tree."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("m3lm")
+    except metadata.PackageNotFoundError:
+        import m3lm
+
+        return getattr(m3lm, "__version__", "unknown")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from m3lm.generate import SESSION_CONTEXT
 
     parser = argparse.ArgumentParser(prog="m3lm", description="Run MiniMax-M3 models.")
+    parser.add_argument("--version", action="version", version=f"m3lm {version()}")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list the supported model families").set_defaults(func=cmd_list)

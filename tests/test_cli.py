@@ -330,3 +330,26 @@ def test_chat_template_raising_a_python_error_is_one_line(tmp_path, capsys):
     path = tiny_checkpoint(tmp_path, tokenizer_template="{{ messages[0].content ~ (1 / 0) }}")
     err = one_line_error(capsys, ["generate", "--model", str(path), "--chat", "--prompt", "hi"])
     assert "chat template: ZeroDivisionError: division by zero" in err
+
+
+def test_version_prints_the_distribution_version(capsys, monkeypatch):
+    import re
+    from importlib import metadata
+    from pathlib import Path
+
+    import m3lm
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    want = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)  # tomllib needs Python 3.11
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"m3lm {want}\n"
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    monkeypatch.setattr(m3lm, "__version__", "9.9.9-src")
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == "m3lm 9.9.9-src\n"
