@@ -353,3 +353,40 @@ def test_version_prints_the_distribution_version(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out == "m3lm 9.9.9-src\n"
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "cores", "want"),
+    [
+        (None, "cpu", 2, 2),
+        (None, "cpu", 64, 4),
+        (None, "cpu", None, 1),  # os.cpu_count() may not know
+        (12, "cpu", 2, 12),
+        (None, "cuda", 64, None),
+        (3, "cuda", 64, None),
+    ],
+)
+def test_cpu_threads_default_and_override(requested, device, cores, want):
+    from m3lm.cli import cpu_threads
+
+    assert cpu_threads(requested, device, cores) == want
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_threads_flag_is_documented_and_applied_on_the_cpu_only(command, capsys, monkeypatch):
+    from m3lm.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    assert "--threads N" in capsys.readouterr().out
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    argv = [command, "--model", "/does/not/exist", "--threads", "3"] + (
+        ["--prompt", "hi"] if command == "generate" else []
+    )
+    assert main([*argv, "--device", "cpu"]) == 1 and calls == [3]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main([*argv, "--device", "cuda"]) == 1 and calls == [3]
+    with pytest.raises(SystemExit):
+        main([*argv, "--threads", "0"])
