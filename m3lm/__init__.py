@@ -68,8 +68,8 @@ def read_generation_config(path: Path) -> dict:
         return {}
     try:
         data = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{f}: not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{f}: must hold a JSON object")
     return data

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -32,6 +33,16 @@ def cmd_list(_: argparse.Namespace) -> int:
     return 0
 
 
+def cpu_threads(requested: int | None, device_type: str, cpu_count: int | None) -> int | None:
+    """Threads for torch's CPU kernels, or None to leave torch alone (off the CPU).
+
+    The default is a few threads, not one per core: decode is bound by memory bandwidth, which a
+    few threads already use up, and on a busy machine every extra thread waits on the slowest."""
+    if device_type != "cpu":
+        return None
+    return requested if requested is not None else min(4, cpu_count or 1)
+
+
 def _load(args: argparse.Namespace):
     """(model, tokenizer, group or None); None on a follower rank under torchrun, which has
     already served rank 0's steps by the time it returns."""
@@ -48,6 +59,13 @@ def _load(args: argparse.Namespace):
             bar = tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr, leave=False)
         bar.update(done - bar.n)
 
+    from m3lm.loader import resolve_device
+
+    threads = cpu_threads(args.threads, resolve_device(args.device).type, os.cpu_count())
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     tp = getattr(args, "tensor_parallel_size", 1)
     try:
         if tp > 1 or under_torchrun():
@@ -191,7 +209,6 @@ def _chat(model, tokenizer, args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
-    import os
 
     from m3lm.server.app import serve
     from m3lm.server.protocol import Limits
@@ -238,10 +255,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return n
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded story model)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument(
+        "--threads",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="CPU threads for torch on the CPU (default: min(4, cores)); ignored on a GPU",
+    )
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=None)
@@ -266,10 +297,23 @@ def _default_model(args: argparse.Namespace) -> None:
         args.model = str(DEFAULT_MODEL)
 
 
+def version() -> str:
+    """The installed distribution's version; the package's own when run from a plain source tree."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("m3lm")
+    except metadata.PackageNotFoundError:
+        import m3lm
+
+        return getattr(m3lm, "__version__", "unknown")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from m3lm.generate import SESSION_CONTEXT
 
     parser = argparse.ArgumentParser(prog="m3lm", description="Run MiniMax-M3 models.")
+    parser.add_argument("--version", action="version", version=f"m3lm {version()}")
     parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list the supported model families").set_defaults(func=cmd_list)

@@ -20,6 +20,36 @@ TOP_MODEL_TYPES = ("minimax_m3_vl", "minimax_m3", "minimax_m3_vl_text")
 TEXT_MODEL_TYPES = ("minimax_m3", "minimax_m3_vl_text")
 QUANT_METHODS = ("mxfp8",)
 _MISSING = object()
+# Generous upper bounds on sizes (the release: vocab 200064, hidden 6144, 60 layers, 64 heads of
+# 128, width 12288, 128 experts, blocks of 128, 1M positions), so that a typo is refused before
+# it sizes parameters or caches. Both spellings of a key are listed.
+CEILINGS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "num_hidden_layers": 1 << 10,
+    "num_attention_heads": 1 << 10,
+    "num_key_value_heads": 1 << 10,
+    "head_dim": 1 << 10,
+    "rotary_dim": 1 << 10,
+    "intermediate_size": 1 << 18,
+    "shared_intermediate_size": 1 << 18,
+    "dense_intermediate_size": 1 << 18,
+    "num_local_experts": 1 << 14,
+    "num_experts_per_tok": 1 << 10,
+    "max_position_embeddings": 1 << 24,
+    "sparse_num_index_heads": 1 << 10,
+    "index_n_heads": 1 << 10,
+    "sparse_index_dim": 1 << 10,
+    "index_head_dim": 1 << 10,
+    "sparse_block_size": 1 << 12,
+    "index_block_size": 1 << 12,
+    "sparse_topk_blocks": 1 << 16,
+    "index_topk_blocks": 1 << 16,
+    "sparse_local_block": 1 << 16,
+    "index_local_blocks": 1 << 16,
+    "sparse_init_block": 1 << 16,
+    "index_init_blocks": 1 << 16,
+}
 
 
 @dataclass(frozen=True)
@@ -75,6 +105,8 @@ class ModelArgs:
             raise ConfigError(f"cannot read {path}: {e}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"{path} is nested too deeply to be a model config") from None
         if not isinstance(config, dict):
             raise ConfigError(f"{path} must hold a JSON object, found {type(config).__name__}")
         return parse_config(config)
@@ -100,6 +132,8 @@ class _Reader:
         v = self.raw(key, default)
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
             raise ConfigError(f"config.json: '{self.name(key)}' = {v!r} must be an integer >= {minimum}")
+        if v > CEILINGS[key]:
+            raise ConfigError(f"config.json: '{self.name(key)}' = {v!r} exceeds the limit {CEILINGS[key]}")
         return v
 
     def float(self, key: str, default: Any = _MISSING, positive: bool = True) -> float:
@@ -164,14 +198,19 @@ def _quant_method(config: dict[str, Any], text: dict[str, Any]) -> str | None:
     qc = config.get("quantization_config") or text.get("quantization_config")
     if qc is None:
         return None
-    method = qc.get("quant_method") if isinstance(qc, dict) else qc
+    if not isinstance(qc, dict):
+        raise ConfigError(
+            f"config.json: 'quantization_config' = {qc!r} must be an object such as "
+            '{"quant_method": "mxfp8", "weight_block_size": [1, 32]}'
+        )
+    method = qc.get("quant_method")
     if method not in QUANT_METHODS:
         raise ConfigError(
             f"config.json: 'quantization_config.quant_method' = {method!r} is not supported "
             f"(expected one of {list(QUANT_METHODS)})"
         )
     block = qc.get("weight_block_size", [1, 32])
-    if list(block) != [1, 32]:
+    if block != [1, 32]:
         raise ConfigError(
             f"config.json: 'quantization_config.weight_block_size' = {block!r} is not supported (expected [1, 32])"
         )
@@ -297,6 +336,11 @@ def parse_config(config: dict[str, Any]) -> ModelArgs:
     else:
         n_experts = top_k = inter = shared_inter = 0
     dense_inter = r.int("dense_intermediate_size") if not all(moe) else 0
+    max_pos = r.int("max_position_embeddings", 1 << 20)
+    if s["block"] > max_pos:  # the block is also the cache page size, on every layer
+        raise ConfigError(
+            f"config.json: block size = {s['block']} exceeds max_position_embeddings = {max_pos}"
+        )
 
     if any(sparse):
         if s["heads"] != kv_heads:
@@ -324,7 +368,7 @@ def parse_config(config: dict[str, Any]) -> ModelArgs:
         rotary_dim=rotary_dim,
         rope_theta=theta,
         rms_norm_eps=r.float("rms_norm_eps", 1e-6),
-        max_position_embeddings=r.int("max_position_embeddings", 1 << 20),
+        max_position_embeddings=max_pos,
         swiglu_alpha=r.float("swiglu_alpha", 1.702),
         swiglu_limit=r.float("swiglu_limit", 7.0),
         dense_intermediate_size=dense_inter,

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -37,6 +39,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
 QUANT_MODES = ("auto", "mxfp8", "none")
 FP32_PARAMS = ("block_sparse_moe.gate.weight", "block_sparse_moe.e_score_correction_bias")
+# safetensors dtypes a plain weight may have; integers would be cast to floats and load as garbage.
+FLOAT_DTYPES = ("F16", "BF16", "F32")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,23 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
     raise ValueError(f"unsupported dtype {dtype!r} (expected one of {sorted(DTYPES)})")
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """A torch device or its name (default cuda if available); one that this machine lacks is a ValueError."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return dev
 
 
 def resolve_quant(quant: str | None, args: ModelArgs, device: torch.device) -> str | None:
@@ -81,9 +102,18 @@ def weight_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CheckpointError(
+                f"{index}: not a valid safetensors index ({type(e).__name__}: {e})"
+            ) from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
         files = [path / f for f in dict.fromkeys(weight_map.values())]
+        # An index is data from the checkpoint: it may not make us read files elsewhere.
+        root = path.resolve()
+        outside = [str(f) for f in files if not f.resolve().is_relative_to(root)]
+        if outside:
+            raise CheckpointError(f"{index} names shard(s) outside the model folder: {', '.join(outside)}")
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
@@ -152,6 +182,12 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3) -> list[Source]:
         elif dtype == "F8_E4M3":
             errors.append(f"{name}: float8 tensor without its {SCALE_SUFFIX} scales")
             continue
+        elif dtype not in FLOAT_DTYPES:
+            errors.append(
+                f"{name}: dtype {dtype} is not supported (expected one of {', '.join(FLOAT_DTYPES)}, "
+                f"or F8_E4M3 with U8 {SCALE_SUFFIX} scales)"
+            )
+            continue
         for p in r.pieces:
             written[(p.param, p.slot)] += 1
         sources.append(Source(file, name, scale, tensors[scale][0] if scale else None, r.pieces))
@@ -159,15 +195,18 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3) -> list[Source]:
         errors.append(
             f"unexpected language-model tensor(s) that no parameter claims: {', '.join(sorted(unclaimed))}"
         )
-    expected = [
-        (n, s)
-        for n, shape in params.items()
-        for s in ([None] if not n.endswith(("w1", "w2", "w3")) else range(shape[0]))
-    ]
-    missing = [release_name(n, s) for n, s in expected if written[(n, s)] == 0]
+    missing = _missing(params, written)
     twice = [release_name(n, s) for (n, s), c in written.items() if c > 1]
     if missing:
-        errors.append(f"missing tensor(s): {', '.join(missing)}")
+        errors.append(f"missing tensor(s): {missing}")
+        want, have = (
+            sum(math.prod(s) for s in params.values()),
+            sum(math.prod(t[1]) for t in tensors.values()),
+        )
+        if want > have:
+            errors.append(
+                f"config.json describes {want:,} parameters but the checkpoint's tensors hold only {have:,} values"
+            )
     if twice:
         errors.append(
             f"tensor(s) given more than once (e.g. packed and separate shared expert): {', '.join(twice)}"
@@ -175,6 +214,23 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3) -> list[Source]:
     if errors:
         raise CheckpointError("; ".join(errors))
     return sources
+
+
+def _missing(params: dict[str, tuple[int, ...]], written: dict, limit: int = 20) -> str:
+    """The first `limit` unwritten parameter slots by name, and how many more. Slots are walked
+    lazily: a config can promise far more expert slots than fit in memory as a list."""
+    slots = (
+        (n, s)
+        for n, shape in params.items()
+        for s in ([None] if not n.endswith(("w1", "w2", "w3")) else range(shape[0]))
+    )
+    names = [
+        release_name(n, s) for n, s in islice(((n, s) for n, s in slots if not written.get((n, s))), limit)
+    ]
+    total = sum(shape[0] if n.endswith(("w1", "w2", "w3")) else 1 for n, shape in params.items())
+    covered = sum(1 for (n, s), c in written.items() if c and (s is None or s < params[n][0]))
+    more = total - covered - len(names)
+    return ", ".join(names) + (f" (and {more:,} more)" if more > 0 else "")
 
 
 def _read_scale(st, src: Source):
@@ -247,11 +303,7 @@ def load_model(
     path = check_dir(path)
     args = ModelArgs.from_file(path / "config.json")
     files = weight_files(path)
-    dev = (
-        torch.device(device)
-        if device is not None
-        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     auto = (quant or "auto") == "auto"
     quant = resolve_quant(quant, args, dev)

@@ -188,6 +188,10 @@ class Tokenizer:
                 return self.hf.apply_chat_template(**args)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {_one_line(e)}") from e
+        except ValueError:
+            raise
+        except Exception as e:  # the template is checkpoint code: 1/0 or "a" + 1 raise plain Python errors
+            raise ValueError(f"chat template: {_one_line(e)}") from e
 
 
 def _text_size(value: Any) -> int:

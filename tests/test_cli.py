@@ -276,3 +276,117 @@ def test_serve_passes_prefix_caching_to_the_engine(monkeypatch, flag, on):
     monkeypatch.setattr(app, "serve", lambda *a, **k: seen.update(k))
     assert main(["serve", *flag]) == 0
     assert seen["prefix_caching"] is on
+
+
+def tiny_checkpoint(path, config=None, tokenizer_template=None):
+    """A small release-layout checkpoint (optionally with an M3 tokenizer and its own chat template)."""
+    import json
+
+    from checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint, write_m3_tokenizer
+
+    s = Spec()
+    write_checkpoint(path, to_release(hf_model(s).state_dict(), s), config or release_config(s))
+    if tokenizer_template is not None:
+        write_m3_tokenizer(path)
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": tokenizer_template}))
+    return path
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    """Run the CLI in-process; an exception escaping `main` (a traceback) fails the test."""
+    assert main(argv) == 1
+    err = capsys.readouterr().err.rsplit("\r", 1)[-1]  # after the progress bar's last redraw
+    assert err.startswith("m3lm: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_cuda_device_without_cuda_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = one_line_error(capsys, ["generate", "--device", "cuda", "--prompt", "hi", "--max-tokens", "1"])
+    assert "'cuda': CUDA is not available" in err
+    err = one_line_error(capsys, ["generate", "--device", "gpu0", "--prompt", "hi", "--max-tokens", "1"])
+    assert "'gpu0' is not a torch device" in err
+
+
+def test_quantization_config_string_is_one_line(tmp_path, capsys):
+    from checkpoints import Spec, release_config
+
+    cfg = {**release_config(Spec()), "quantization_config": "mxfp8"}
+    path = tiny_checkpoint(tmp_path, cfg)
+    err = one_line_error(capsys, ["generate", "--model", str(path), "--prompt", "hi"])
+    assert "'quantization_config' = 'mxfp8' must be an object" in err
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors.index.json"])
+def test_deeply_nested_json_is_one_line(tmp_path, capsys, name):
+    path = tiny_checkpoint(tmp_path)
+    (path / name).write_text("[" * 100_000 + "]" * 100_000)
+    err = one_line_error(capsys, ["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "1"])
+    assert name in err
+
+
+def test_chat_template_raising_a_python_error_is_one_line(tmp_path, capsys):
+    path = tiny_checkpoint(tmp_path, tokenizer_template="{{ messages[0].content ~ (1 / 0) }}")
+    err = one_line_error(capsys, ["generate", "--model", str(path), "--chat", "--prompt", "hi"])
+    assert "chat template: ZeroDivisionError: division by zero" in err
+
+
+def test_version_prints_the_distribution_version(capsys, monkeypatch):
+    import re
+    from importlib import metadata
+    from pathlib import Path
+
+    import m3lm
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    want = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)  # tomllib needs Python 3.11
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"m3lm {want}\n"
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    monkeypatch.setattr(m3lm, "__version__", "9.9.9-src")
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == "m3lm 9.9.9-src\n"
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "cores", "want"),
+    [
+        (None, "cpu", 2, 2),
+        (None, "cpu", 64, 4),
+        (None, "cpu", None, 1),  # os.cpu_count() may not know
+        (12, "cpu", 2, 12),
+        (None, "cuda", 64, None),
+        (3, "cuda", 64, None),
+    ],
+)
+def test_cpu_threads_default_and_override(requested, device, cores, want):
+    from m3lm.cli import cpu_threads
+
+    assert cpu_threads(requested, device, cores) == want
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_threads_flag_is_documented_and_applied_on_the_cpu_only(command, capsys, monkeypatch):
+    from m3lm.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    assert "--threads N" in capsys.readouterr().out
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    argv = [command, "--model", "/does/not/exist", "--threads", "3"] + (
+        ["--prompt", "hi"] if command == "generate" else []
+    )
+    assert main([*argv, "--device", "cpu"]) == 1 and calls == [3]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main([*argv, "--device", "cuda"]) == 1 and calls == [3]
+    with pytest.raises(SystemExit):
+        main([*argv, "--threads", "0"])

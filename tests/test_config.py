@@ -83,6 +83,22 @@ BAD = [
     ("text_config.sparse_attention_config.sparse_local_block", 4, "local blocks (4)"),
     ("quantization_config", {"quant_method": "gptq"}, "quant_method' = 'gptq'"),
     ("text_config.tie_word_embeddings", True, "tie_word_embeddings"),
+    ("quantization_config", {"quant_method": "mxfp8", "weight_block_size": 32}, "weight_block_size' = 32"),
+    ("text_config.num_local_experts", 10**9, "num_local_experts' = 1000000000 exceeds the limit 16384"),
+    ("text_config.num_local_experts", True, "num_local_experts' = True must be an integer"),
+    ("text_config.num_hidden_layers", 2.0, "num_hidden_layers' = 2.0 must be an integer"),
+    ("text_config.hidden_size", 1 << 20, "hidden_size' = 1048576 exceeds the limit 65536"),
+    ("text_config.vocab_size", 0, "vocab_size' = 0 must be an integer >= 1"),
+    ("text_config.head_dim", 4096, "head_dim' = 4096 exceeds the limit 1024"),
+    ("text_config.intermediate_size", 10**7, "intermediate_size' = 10000000 exceeds"),
+    ("text_config.max_position_embeddings", 1 << 30, "max_position_embeddings' = 1073741824 exceeds"),
+    (
+        "text_config.sparse_attention_config.sparse_block_size",
+        2 * 10**6,
+        "sparse_block_size' = 2000000 exceeds",
+    ),
+    ("text_config.sparse_attention_config.sparse_block_size", 8192, "sparse_block_size' = 8192 exceeds"),
+    ("text_config.max_position_embeddings", 2, "block size = 4 exceeds max_position_embeddings = 2"),
 ]
 
 

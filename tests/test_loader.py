@@ -161,3 +161,94 @@ def test_load_streams_into_requested_dtype(tmp_path, release_tensors):
     assert not any(p.requires_grad for p in model.parameters())
     save_file({"x": torch.zeros(1)}, tmp_path / "unused.safetensors")  # stray files are ignored
     m3lm.load(tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.float64, torch.bool])
+def test_non_float_weight_is_refused_with_its_dtype(tmp_path, release_tensors, dtype):
+    t = dict(release_tensors)
+    name = "language_model.model.layers.0.self_attn.q_proj.weight"
+    t[name] = t[name].to(dtype)
+    found = {torch.int32: "I32", torch.int8: "I8", torch.float64: "F64", torch.bool: "BOOL"}[dtype]
+    with pytest.raises(CheckpointError) as e:
+        m3lm.load(write(tmp_path, t), device="cpu")
+    assert f"{name}: dtype {found} is not supported (expected one of F16, BF16, F32" in str(e.value)
+
+
+def test_half_precision_weights_load(tmp_path, release_tensors):
+    t = {
+        k: v.to(torch.bfloat16 if i % 2 else torch.float16)
+        for i, (k, v) in enumerate(release_tensors.items())
+    }
+    model, _ = m3lm.load(write(tmp_path, t), device="cpu")
+    name = "language_model.model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, t[name].float())
+
+
+def test_mxfp8_scales_must_be_uint8(tmp_path, release_tensors):
+    from m3lm.kernels.fp8 import quantize_mxfp8
+
+    t = dict(release_tensors)
+    name = "language_model.model.layers.0.self_attn.q_proj.weight"
+    t[name], scale = quantize_mxfp8(t[name])
+    t[name + "_scale_inv"] = scale.to(torch.int16)
+    with pytest.raises(
+        CheckpointError, match=f"{name}: MXFP8 weight must be F8_E4M3.*found F8_E4M3 with I16"
+    ):
+        m3lm.load(write(tmp_path, t), device="cpu")
+
+
+def test_config_promising_more_weights_than_the_files_hold_is_refused(tmp_path, release_tensors):
+    big = Spec(experts=60)
+    want = sum(t.numel() for t in hf_model(big).state_dict().values())
+    have = sum(t.numel() for t in release_tensors.values())
+    with pytest.raises(CheckpointError) as e:
+        m3lm.load(write(tmp_path, release_tensors, release_config(big)), device="cpu")
+    msg = str(e.value)
+    assert (
+        f"config.json describes {want:,} parameters but the checkpoint's tensors hold only {have:,} values"
+        in msg
+    )
+    # per MoE layer: 54 absent experts x 3 matrices + the mis-shaped router and bias; 20 named
+    assert (
+        "layers.1.block_sparse_moe.experts.6.w1.weight" in msg
+        and f"(and {2 * (54 * 3 + 2) - 20} more)" in msg
+    )
+
+
+def test_huge_expert_count_is_refused_without_listing_every_slot(tmp_path, release_tensors):
+    import tracemalloc
+
+    cfg = release_config(Spec(experts=16384))
+    tracemalloc.start()
+    with pytest.raises(CheckpointError, match=r"\(and 98,2\d\d more\).*config.json describes"):
+        m3lm.load(write(tmp_path, release_tensors, cfg), device="cpu")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 50 * 2**20
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot", "symlink"])
+def test_index_may_not_name_shards_outside_the_model_folder(tmp_path, release_tensors, where):
+    outside = tmp_path / "elsewhere.safetensors"
+    save_file({"x": torch.zeros(1)}, outside)
+    path = write(tmp_path / "m", release_tensors, shards=2)
+    index = path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    name = {"absolute": str(outside), "dotdot": "../elsewhere.safetensors", "symlink": "link.safetensors"}[
+        where
+    ]
+    if where == "symlink":
+        (path / name).symlink_to(outside)
+    data["weight_map"]["x"] = name
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError) as e:
+        m3lm.load(path, device="cpu")
+    assert str(e.value) == f"{index} names shard(s) outside the model folder: {path / name}"
+
+
+def test_index_with_non_string_file_is_refused(tmp_path, release_tensors):
+    path = write(tmp_path, release_tensors, shards=2)
+    index = path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"x": 5}}))
+    with pytest.raises(CheckpointError, match="'weight_map' must map tensor names to file names"):
+        m3lm.load(path, device="cpu")
