@@ -207,18 +207,28 @@ def _chat(model, tokenizer, args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def _api_keys(value: str | None) -> list[str] | None:
+    """The keys of `--api-key KEY1,KEY2` (empty entries dropped), or None for no key."""
+    keys = [k.strip() for k in (value or "").split(",") if k.strip()]
+    return keys or None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     from m3lm.server.app import serve
     from m3lm.server.protocol import Limits
 
+    keys = _api_keys(args.api_key or os.environ.get("M3LM_API_KEY"))
+    if args.cache_salt_by_api_key and not keys:
+        raise M3lmError("--cache-salt-by-api-key needs --api-key (or M3LM_API_KEY)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(
         args.model,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get("M3LM_API_KEY") or None,
+        api_key=keys,
+        cache_salt_by_api_key=args.cache_salt_by_api_key,
         served_model_name=args.served_model_name,
         device=args.device,
         dtype=args.dtype,
@@ -335,7 +345,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model", default=None, help="checkpoint directory (default: the embedded story model)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="required Bearer token (or set M3LM_API_KEY)")
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        help="required Bearer token, or several separated by commas (or set M3LM_API_KEY)",
+    )
+    srv.add_argument(
+        "--cache-salt-by-api-key",
+        action="store_true",
+        help="share prefix-cache pages only among requests made with the same API key",
+    )
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--device", default=None)
     srv.add_argument("--dtype", default=None)

@@ -15,8 +15,13 @@ import httpx
 import openai
 import pytest
 from checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint, write_m3_tokenizer
-from test_server import API_KEY, MSG, NAME, start, wait_idle
+from test_server import API_KEY, MSG, NAME, LiveServer, start, wait_idle
 
+import m3lm
+from m3lm.config import EngineConfig
+from m3lm.engine.async_engine import AsyncEngine
+from m3lm.engine.engine import LLMEngine
+from m3lm.server.app import create_server_app
 from m3lm.server.protocol import Limits
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -362,4 +367,31 @@ def test_sigterm_drains_then_ends_open_streams_with_an_error(checkpoint):
         wait_idle(server.engine)
     finally:
         runner.run = real
+        server.stop()
+
+
+def test_cache_salt_by_api_key(checkpoint):
+    keys = ["sk-tenant-a", "sk-tenant-b"]
+    model, tok = m3lm.load(checkpoint, device="cpu")
+    engine = AsyncEngine(LLMEngine(model, tok, EngineConfig(max_model_len=256, max_num_seqs=4)), 16).start()
+    server = LiveServer(create_server_app(engine, tok, NAME, keys, Limits(), cache_salt_by_api_key=True))
+    server.engine = engine
+    msgs = [{"role": "user", "content": "tenant A's confidential instructions, word for word " * 4}]
+    try:
+
+        def cached(key, salt=None):
+            c = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+            extra = {"cache_salt": salt} if salt else {}
+            reply = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=1, extra_body=extra)
+            wait_idle(engine)
+            return reply.usage.prompt_tokens_details.cached_tokens
+
+        assert cached(keys[0]) == 0
+        assert cached(keys[0]) > 0
+        assert cached(keys[1]) == 0  # the other key's tenant gets nothing of A's pages
+        assert cached(keys[1], salt="x") == 0  # nor by choosing a salt of its own
+        bad = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-other", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    finally:
         server.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -179,14 +180,26 @@ def build_app(
     return app
 
 
-def create_server_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None, limits: Limits):
+def create_server_app(
+    engine: AsyncEngine,
+    tokenizer,
+    model_name: str,
+    api_key: str | Sequence[str] | None,
+    limits: Limits,
+    cache_salt_by_api_key: bool = False,
+):
     """The ASGI app as served: the key checked on the headers, then the size and time limits,
-    then the FastAPI app."""
+    then the FastAPI app. With `cache_salt_by_api_key` each key's requests share cached pages
+    only among themselves."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if cache_salt_by_api_key and not keys:
+        raise ValueError("cache_salt_by_api_key needs API keys")
     metrics = Metrics(model_name)
     engine.observer = metrics.observe_step
     app = build_app(engine, tokenizer, model_name, limits, metrics)
+    app.state.m3lm.salt_by_tenant = cache_salt_by_api_key
     guarded = RequestLimits(app, limits.max_body_bytes, limits.max_header_bytes, limits.body_timeout_s)
-    return guarded if api_key is None else ApiKeyAuth(guarded, api_key)
+    return ApiKeyAuth(guarded, keys) if keys else guarded
 
 
 def server_config(app, limits: Limits, grace_s: float, **kwargs) -> uvicorn.Config:
@@ -226,7 +239,7 @@ def serve(
     model_dir: str,
     host: str = "127.0.0.1",
     port: int = 8000,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     served_model_name: str | None = None,
     device: str | None = None,
     dtype: str | None = None,
@@ -235,6 +248,7 @@ def serve(
     tensor_parallel_size: int = 1,
     expert_parallel: bool = False,
     quant: str = "auto",
+    cache_salt_by_api_key: bool = False,
     **engine_kwargs,
 ) -> None:
     """Load the model, start the engine thread and run uvicorn until SIGINT/SIGTERM.
@@ -248,40 +262,36 @@ def serve(
         if loaded is None:  # a follower rank: rank 0 has stopped
             return
         model, tokenizer, group = loaded
-        try:
-            _serve(
-                model,
-                tokenizer,
-                model_dir,
-                host,
-                port,
-                api_key,
-                served_model_name,
-                grace_s,
-                limits,
-                engine_kwargs,
-            )
-        finally:
+    else:
+        import m3lm
+
+        model, tokenizer = m3lm.load(model_dir, device=device, dtype=dtype, quant=quant)
+        group = None
+    name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
+    try:
+        _serve(
+            model,
+            tokenizer,
+            name,
+            host,
+            port,
+            grace_s,
+            limits or Limits(),
+            engine_kwargs,
+            api_key,
+            cache_salt_by_api_key,
+        )
+    finally:
+        if group is not None:
             group.shutdown()
-        return
-    import m3lm
-
-    model, tokenizer = m3lm.load(model_dir, device=device, dtype=dtype, quant=quant)
-    _serve(
-        model, tokenizer, model_dir, host, port, api_key, served_model_name, grace_s, limits, engine_kwargs
-    )
 
 
-def _serve(
-    model, tokenizer, model_dir, host, port, api_key, served_model_name, grace_s, limits, engine_kwargs
-):
+def _serve(model, tokenizer, name, host, port, grace_s, limits, engine_kwargs, api_key, salt_by_key):
     from m3lm.config import EngineConfig
     from m3lm.engine.engine import LLMEngine
 
-    limits = limits or Limits()
     engine = AsyncEngine(LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs)), limits.max_queue).start()
-    name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
-    app = create_server_app(engine, tokenizer, name, api_key, limits)
+    app = create_server_app(engine, tokenizer, name, api_key, limits, salt_by_key)
     log.info("serving %s on http://%s:%d", name, host, port)
     # Streams still open when the drain ends get their error event; the rest of the grace is for that.
     config = server_config(app, limits, grace_s=5.0, host=host, port=port, log_level="info")

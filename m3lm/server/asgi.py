@@ -10,12 +10,13 @@ open ones finish, and whatever is still open at the deadline is ended with an er
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import h11
 import uvicorn
@@ -34,20 +35,28 @@ async def send_error(send, status: int, message: str, type_: str = "invalid_requ
 
 
 class ApiKeyAuth:
-    """Pure ASGI: every path but /health needs `Authorization: Bearer <key>` (compared in constant time).
+    """Pure ASGI: every path but /health needs `Authorization: Bearer <key>` for one of `api_keys`
+    (each compared in constant time). The request's `state.tenant` is then a digest of its key.
 
     Pure ASGI rather than an HTTP middleware so that the app keeps the real `receive`, through which
     a handler learns that its client has gone.
     """
 
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app, api_keys: Sequence[str]):
+        assert api_keys, "no API key"
+        self.app = app
+        self.keys = [(f"Bearer {k}".encode(), hashlib.sha256(k.encode()).hexdigest()) for k in api_keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health":
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            tenant = None
+            for expected, digest in self.keys:  # every key is compared: the time says nothing of which
+                if hmac.compare_digest(given, expected):
+                    tenant = digest
+            if tenant is None:
                 return await send_error(send, 401, "invalid or missing API key", "authentication_error")
+            scope.setdefault("state", {})["tenant"] = tenant
         return await self.app(scope, receive, send)
 
 

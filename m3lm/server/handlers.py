@@ -52,6 +52,7 @@ class ServerState:
     defaults: SamplingParams
     fmt: ReplyFormat | None = None
     draining: bool = False
+    salt_by_tenant: bool = False  # prefix-cache pages shared only among requests with one API key
 
     @property
     def max_model_len(self) -> int:
@@ -60,6 +61,13 @@ class ServerState:
     @property
     def max_prompt_tokens(self) -> int:
         return self.max_model_len - 1  # the context holds the prompt and at least one new token
+
+
+def tenant_salt(state: ServerState, request: Request, salt: str | None) -> str | None:
+    """The request's cache salt: its own, within its API key's namespace when salting by key."""
+    if not state.salt_by_tenant:
+        return salt
+    return f"{request.state.tenant}:{salt or ''}"
 
 
 def submit(state: ServerState, prompt_ids: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
@@ -150,6 +158,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     try:
         req.check_limits(state.limits)
+        req.cache_salt = tenant_salt(state, request, req.cache_salt)
         plan = plan_tool_choice(
             [t.model_dump(exclude_none=True) for t in req.tools or []],
             req.tool_choice,
@@ -190,6 +199,7 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
     tok = state.tokenizer
     try:
         req.check_limits(state.limits)
+        req.cache_salt = tenant_salt(state, request, req.cache_salt)
         prompts = req.prompts()
         if len(prompts) * req.n > state.limits.max_n:
             raise ValueError(
