@@ -326,3 +326,24 @@ class StopStrings:
         """The held-back text, once the stream has ended without reaching a stop string."""
         out, self._held = self._held, ""
         return out
+
+
+class OutputText:
+    """The text of one request's output, token by token: incremental decoding, then its stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer, params) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stops = StopStrings(params.stop) if params.stop else None
+
+    def add(self, token_id: int, stop_token: bool, last: bool) -> tuple[str, bool]:
+        """(the text `token_id` makes final, whether a stop string ended it). A stop token adds no
+        text; on the `last` token everything held back comes out."""
+        text = "" if stop_token else self.detok.add(token_id)
+        if last:
+            text += self.detok.flush()
+        if self.stops is None:
+            return text, False
+        text, hit = self.stops.feed(text)
+        if last and not hit:
+            text += self.stops.flush()
+        return text, hit

@@ -192,15 +192,15 @@ def test_detokenizer_fault_stops_only_its_request(live):
         return real(self, token_id)
 
     IncrementalDetokenizer.add = flaky
-    engine = live.engine.engine
-    real_add = engine.add_request
+    engine = live.engine  # the server's side detokenizes
+    real_add = engine.add
 
     def add(ids, params, rid=None):
-        seq = real_add(ids, params, rid)
-        seq.detok._poison = ids[:2] == [8, 8]
-        return seq
+        stream = real_add(ids, params, rid)
+        stream._text.detok._poison = ids[:2] == [8, 8]
+        return stream
 
-    engine.add_request = add
+    engine.add = add
     try:
 
         async def both():
@@ -217,7 +217,7 @@ def test_detokenizer_fault_stops_only_its_request(live):
         bad, good = asyncio.run(both())
     finally:
         IncrementalDetokenizer.add = real
-        engine.add_request = real_add
+        engine.add = real_add
     assert bad.status_code == 500 and "decoder exploded" in bad.json()["error"]["message"]
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 5
     assert live.engine.alive

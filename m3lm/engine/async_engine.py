@@ -1,21 +1,38 @@
-"""Runs an `LLMEngine` on its own thread so the server's event loop never waits on model compute.
+"""The server's handle on the engine: admits requests, streams their outputs, turns ids into text.
 
+The engine loop (`engine_loop.EngineLoop`) runs in its own process (`AsyncEngine.spawn`, what
+`m3lm serve` does) or on a thread (`AsyncEngine(llm_engine)`), and the two talk over ZeroMQ
+either way. Each engine step arrives as one message; a receiver thread hands it to the event
+loop in one call, where each request's new tokens are detokenized and checked for stop strings.
 Requests are validated and admitted synchronously (so the server can answer 400 or 503 before
-sending response headers), then their outputs arrive on an asyncio queue. A consumer that stops
-listening (a disconnected client) aborts its request, which frees its pages at once.
+sending response headers). A consumer that stops listening (a disconnected client) aborts its
+request, which frees its pages at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
-import queue
+import logging
+import multiprocessing
+import os
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 
+import zmq
+
 from m3lm.core import SamplingParams
-from m3lm.engine.engine import LLMEngine, StepOutput
+from m3lm.engine import messages as m
+from m3lm.engine.engine import LLMEngine, StepOutput, validate_request
+from m3lm.engine.engine_loop import EngineLoop, EngineSpec, engine_info, run_engine_process
+from m3lm.engine.sequence import TokenLogprob
+from m3lm.errors import M3lmError
+
+log = logging.getLogger("m3lm.engine")
 
 
 class QueueFull(Exception):
@@ -23,7 +40,11 @@ class QueueFull(Exception):
 
 
 class EngineDead(Exception):
-    """The engine thread stopped after an internal fault."""
+    """The engine stopped after an internal fault."""
+
+
+class EngineStartError(M3lmError):
+    """The engine could not start: the message says why."""
 
 
 class Interrupted(Exception):
@@ -36,27 +57,49 @@ _END = object()  # put by `abort` so that an iterator waiting for the next outpu
 class RequestStream:
     """The outputs of one request, as an async iterator; closing it early aborts the request.
 
-    After `abort` the iterator ends at once: the engine sends nothing more for an aborted request.
+    Outputs that arrive while the consumer is busy come out merged, as one output: a slow
+    consumer gets fewer, larger pieces and never falls behind. After `abort` the iterator ends.
     """
 
-    def __init__(self, owner: AsyncEngine, request_id: str, prompt_ids: list[int]):
+    def __init__(self, owner: AsyncEngine, request_id: str, prompt_ids: list[int], params: SamplingParams):
         self.owner, self.request_id, self.prompt_ids = owner, request_id, prompt_ids
-        self.queue: asyncio.Queue[StepOutput | BaseException | object] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.finished = False
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self._items: collections.deque = collections.deque()
+        self._ready = asyncio.Event()
+        self._text = None
+        if owner.tokenizer is not None:
+            from m3lm.tokenizer import OutputText
+
+            self._text = OutputText(owner.tokenizer, params)
+        self._num_tokens = 0
+        self._max_tokens = params.max_tokens
 
     async def __aiter__(self) -> AsyncIterator[StepOutput]:
         try:
             while True:
-                item = await self.queue.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
+                while not self._items:
+                    self._ready.clear()
+                    await self._ready.wait()
+                merged = None
+                while self._items:
+                    item = self._items.popleft()
+                    if isinstance(item, StepOutput):
+                        merged = item if merged is None else merged.extend(item)
+                        continue
+                    if merged is not None:
+                        self._items.appendleft(item)
+                        break
+                    if item is _END:
+                        return
                     self.finished = True
                     raise item
-                self.finished = item.finished
-                yield item
-                if item.finished:
+                self.finished = merged.finished
+                yield merged
+                if merged.finished:
                     return
         finally:
             if not self.finished:
@@ -66,136 +109,274 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self.owner.abort(self.request_id)
-            self.queue.put_nowait(_END)
+            self._put(_END)
 
-    def _put(self, item: StepOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def _put(self, item) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    def feed(self, out: m.Output, now: float) -> StepOutput:
+        """Turn the engine's output into text (on the event loop) and queue it."""
+        ids, reason, texts = out.token_ids, out.finish_reason, []
+        for j, tid in enumerate(ids):
+            last = j == len(ids) - 1 and reason is not None
+            if self._text is None:
+                texts.append("")
+                continue
+            text, hit = self._text.add(tid, last and reason == "stop", last)
+            texts.append(text)
+            if hit:  # a stop string: the engine may already have made more; they are dropped
+                ids, reason = ids[: j + 1], "stop"
+                self.owner.abort(self.request_id)
+                break
+        lps = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in out.logprobs or ()][: len(ids)]
+        res = StepOutput(
+            out.request_id,
+            list(ids),
+            "".join(texts),
+            lps,
+            reason is not None,
+            reason,
+            error=out.error,
+            num_prefix_cached=out.num_prefix_cached,
+            token_texts=texts if len(texts) > 1 else None,
+        )
+        if ids:
+            self.first_token_time = self.first_token_time or now
+            self.last_token_time = now
+        self._put(res)
+        return res
 
 
 class AsyncEngine:
-    def __init__(
-        self,
-        engine: LLMEngine,
-        max_queue: int = 256,
-        observer: Callable[[list[StepOutput], LLMEngine], None] | None = None,
-        cpu_threads: int | None = 1,
-    ):
-        self.engine, self.max_queue, self.observer = engine, max_queue, observer
-        # On the CPU, intra-op parallelism driven from a thread other than the main one ran 2-4x
-        # slower per step than one thread (measured on 2 cores), so the engine thread uses one.
-        self.cpu_threads = cpu_threads
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = False
-        self._ids = itertools.count()
+    """`AsyncEngine(llm_engine)` runs the loop on a thread; `AsyncEngine.spawn(spec, tokenizer)`
+    in a process of its own. Call `start()` (it returns once the engine is ready), then `add`."""
+
+    def __init__(self, engine: LLMEngine | None, max_queue: int = 256, tokenizer=None, cpu_threads: int | None = 1):
+        self.engine = engine  # the in-process engine, when the loop runs on a thread
+        self.tokenizer = tokenizer if engine is None else engine.tokenizer
+        if engine is not None:
+            engine.detokenize = False  # the server's side does it
+        self.max_queue, self.cpu_threads = max_queue, cpu_threads
+        self.metrics = None  # server.metrics.Metrics, set by the server
+        self.on_dead: Callable[[str], None] | None = None
+        self.info: m.EngineInfo | None = None
         self.error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="m3lm-engine", daemon=True)
+        self._streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._ctx = zmq.Context()
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._proc = None
+        self._spec: EngineSpec | None = None
+        self._worker: threading.Thread | None = None
+        self._receiver = threading.Thread(target=self._receive, name="m3lm-engine-out", daemon=True)
+        self._tmp = None
+        if engine is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="m3lm-")
+            base = f"ipc://{self._tmp.name}/"
+        else:
+            base = f"inproc://m3lm-{self._prefix}-"
+        self._in_addr, self._out_addr = base + "in", base + "out"
+        self._to_engine = self._ctx.socket(zmq.PUSH)
+        self._from_engine = self._ctx.socket(zmq.PULL)
+        for s in (self._to_engine, self._from_engine):
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+        self._to_engine.bind(self._in_addr)
+        self._from_engine.bind(self._out_addr)
+
+    @classmethod
+    def spawn(cls, spec: EngineSpec, tokenizer=None, max_queue: int = 256) -> AsyncEngine:
+        self = cls(None, max_queue, tokenizer)
+        self._spec = spec
+        return self
+
+    # -- lifecycle ---------------------------------------------------------------------------
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return self.error is None and self.info is not None and not self._stop.is_set()
 
     @property
     def num_active(self) -> int:
-        with self._lock:
-            return len(self._streams)
+        return len(self._streams)
 
-    def start(self) -> AsyncEngine:
-        self._thread.start()
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    def start(self, timeout: float | None = None) -> AsyncEngine:
+        """Start the engine and wait until it is ready; raises EngineStartError if it cannot start."""
+        if self._spec is not None:
+            ctx = multiprocessing.get_context("spawn")
+            self._proc = ctx.Process(
+                target=run_engine_process,
+                args=(self._spec, self._in_addr, self._out_addr, os.getpid()),
+                name="m3lm-engine",
+            )
+            self._proc.start()
+        else:
+            self._worker = threading.Thread(target=self._run_loop, name="m3lm-engine", daemon=True)
+            self._worker.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._from_engine.poll(200):
+                msg = m.decode_from_engine(self._from_engine.recv())
+                if isinstance(msg, m.Ready):
+                    self.info = msg.info
+                    break
+                self.stop()
+                raise EngineStartError(msg.error)
+            if not self._engine_running():
+                code = self._proc.exitcode if self._proc is not None else None
+                self.stop()
+                raise EngineStartError(f"the engine exited while starting (exit code {code})")
+            if deadline is not None and time.monotonic() > deadline:
+                self.stop()
+                raise EngineStartError(f"the engine did not start within {timeout} s")
+        self._receiver.start()
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+    def _run_loop(self) -> None:
+        engine = self.engine
+        if engine.device.type == "cpu" and self.cpu_threads:
+            import torch
 
-    def add(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> RequestStream:
+            torch.set_num_threads(self.cpu_threads)
+        loop = EngineLoop(engine, self._ctx, self._in_addr, self._out_addr)
+        try:
+            loop.send(m.Ready(engine_info(engine)))
+            loop.run()
+        except Exception:
+            log.exception("the engine stopped on a fault")
+        finally:
+            loop.close()
+
+    def _engine_running(self) -> bool:
+        if self._proc is not None:
+            return self._proc.exitcode is None
+        return self._worker is not None and self._worker.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._send(m.Shutdown())
+        if self._worker is not None:
+            self._worker.join(timeout)
+        if self._proc is not None:
+            self._proc.join(timeout)
+            if self._proc.exitcode is None:
+                self._proc.kill()
+                self._proc.join(5)
+        if self._receiver.is_alive() and threading.current_thread() is not self._receiver:
+            self._receiver.join(2)
+        with self._send_lock:
+            self._to_engine.close(0)
+        self._from_engine.close(0)
+        self._ctx.term()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def default_params(self, **overrides) -> SamplingParams:
+        return SamplingParams.from_generation_config(self.info.generation_config, **overrides)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        validate_request(prompt_ids, params, self.info.max_model_len, self.info.vocab_size)
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Admit a request or raise: ValueError (bad prompt), QueueFull, EngineDead."""
         if self.error is not None:
             raise EngineDead(self.error)
         request_id = request_id or f"req-{next(self._ids)}"
-        self.engine.validate(prompt_ids, params)
-        with self._lock:
-            if len(self._streams) >= self.engine.config.max_num_seqs + self.max_queue:
-                raise QueueFull("the server is at capacity; retry later")
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            stream = RequestStream(self, request_id, list(prompt_ids))
-            self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, stream.prompt_ids, params, time.perf_counter()))
-        self._wake.set()
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.validate(prompt_ids, params)
+        if len(self._streams) >= self.info.max_num_seqs + self.max_queue:
+            raise QueueFull("the server is at capacity; retry later")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(self, request_id, prompt_ids, params)
+        self._streams[request_id] = stream
+        self._send(m.Add(request_id, prompt_ids, params))
         return stream
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
+        if self._streams.pop(request_id, None) is not None:
+            self._send(m.Abort([request_id]))
 
     def interrupt_all(self, reason: str) -> None:
         """End every open request: each is aborted and its stream raises Interrupted(reason)."""
-        with self._lock:
-            streams, self._streams = list(self._streams.values()), {}
+        streams, self._streams = list(self._streams.values()), {}
+        if streams:
+            self._send(m.Abort([s.request_id for s in streams]))
         for stream in streams:
-            self.abort(stream.request_id)
             stream._put(Interrupted(reason))
 
-    def _drain_inbox(self) -> None:
-        while True:
+    def _send(self, msg) -> None:
+        with self._send_lock:
+            if not self._to_engine.closed:
+                self._to_engine.send(m.encode(msg), copy=False)
+
+    # -- outputs -----------------------------------------------------------------------------
+
+    def _receive(self) -> None:
+        """The receiver thread: one decoded message per engine step, handed to the event loops."""
+        while not self._stop.is_set():
             try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
+                ready = self._from_engine.poll(100)
+            except zmq.ZMQError:
                 return
-            if item[0] == "add":
-                _, rid, ids, params, arrival = item
-                with self._lock:
-                    stream = self._streams.get(rid)
-                if stream is None or stream.finished:  # aborted before it started
-                    self._forget(rid)
-                    continue
-                try:
-                    self.engine.add_request(ids, params, rid).arrival = arrival
-                except ValueError as e:
-                    self._forget(rid)
-                    stream._put(e)
-            else:
-                self.engine.abort(item[1])
-                self._forget(item[1])
-
-    def _forget(self, request_id: str) -> RequestStream | None:
-        with self._lock:
-            return self._streams.pop(request_id, None)
-
-    def _run(self) -> None:
-        if self.engine.device.type == "cpu" and self.cpu_threads:
-            import torch
-
-            torch.set_num_threads(self.cpu_threads)
-        try:
-            while not self._stop:
-                self._drain_inbox()
-                if not self.engine.has_unfinished():
-                    if self.observer is not None:
-                        self.observer([], self.engine)  # gauges follow aborts even when idle
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                outputs = self.engine.step()
-                if self.observer is not None:
-                    self.observer(outputs, self.engine)
-                for out in outputs:
-                    with self._lock:
-                        stream = self._streams.get(out.request_id)
+            if not ready:
+                if not self._engine_running() and not self._stop.is_set():
+                    code = self._proc.exitcode if self._proc is not None else None
+                    self._die(f"the engine process exited with code {code}")
+                    return
+                continue
+            msg = m.decode_from_engine(self._from_engine.recv())
+            if isinstance(msg, m.Outputs):
+                if self.metrics is not None:
+                    self.metrics.observe_stats(msg.stats)
+                by_loop: dict = {}
+                for out in msg.outputs:
+                    stream = self._streams.get(out.request_id)
                     if stream is not None:
-                        stream._put(out)
-                        if out.finished:
-                            self._forget(out.request_id)
-        except Exception as e:  # an engine fault: fail every open request, report unhealthy
-            self.error = f"{type(e).__name__}: {e}"
-            with self._lock:
-                streams, self._streams = list(self._streams.values()), {}
-            for stream in streams:
-                stream._put(EngineDead(self.error))
+                        by_loop.setdefault(stream.loop, []).append((stream, out))
+                for loop, pairs in by_loop.items():
+                    loop.call_soon_threadsafe(self._dispatch, pairs)
+            elif isinstance(msg, (m.Dead, m.Failed)):
+                self._die(msg.error)
+                return
+
+    def _dispatch(self, pairs: list[tuple[RequestStream, m.Output]]) -> None:
+        """On the event loop: each request's new text, then its stream's queue."""
+        now = time.perf_counter()
+        for stream, out in pairs:
+            if stream.finished or self._streams.get(stream.request_id) is not stream:
+                continue  # aborted meanwhile
+            previous = stream.last_token_time
+            try:
+                res = stream.feed(out, now)
+            except Exception as e:  # a fault in one request's text ends that request only
+                log.exception("detokenizing %s failed", stream.request_id)
+                self.abort(stream.request_id)
+                err = f"{type(e).__name__}: {e}"
+                res = StepOutput(stream.request_id, finished=True, finish_reason="error", error=err)
+                stream._put(res)
+            if res.finished:
+                self._streams.pop(stream.request_id, None)
+            if self.metrics is not None:
+                self.metrics.observe_output(stream, res, previous, out.queued_s, now)
+
+    def _die(self, error: str) -> None:
+        self.error = error
+        log.error("the engine stopped: %s", error)
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream._put, EngineDead(error))
+        if self.on_dead is not None:
+            self.on_dead(error)

@@ -34,10 +34,24 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None
     seq: Sequence | None = None
+    error: str | None = None  # why, when finish_reason is "error"
+    num_prefix_cached: int = 0  # prompt tokens found in the prefix cache
+    token_texts: list[str] | None = None  # new_text split by token, when there are several
+
+    def extend(self, later: StepOutput) -> StepOutput:
+        """This output followed by a later one of the same request, as one output."""
+        texts = (self.token_texts or [self.new_text]) + (later.token_texts or [later.new_text])
+        self.token_texts = texts
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.new_text += later.new_text
+        self.new_logprobs = self.new_logprobs + later.new_logprobs
+        self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
+        self.num_prefix_cached = later.num_prefix_cached
+        return self
 
 
-def eos_ids_of(tokenizer, generation_config: dict | None) -> frozenset[int]:
-    ids = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+def eos_ids_of(tokenizer, generation_config: dict | None, extra=()) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", ()) or ()) | set(extra)
     eos = (generation_config or {}).get("eos_token_id")
     ids.update([eos] if isinstance(eos, int) else eos or [])
     return frozenset(ids)
@@ -50,8 +64,12 @@ class LLMEngine:
         tokenizer=None,
         config: EngineConfig | None = None,
         generation_config: dict | None = None,
+        eos_ids=(),
     ):
+        """`eos_ids`: stop tokens beyond the tokenizer's and generation_config's (a server's
+        engine has no tokenizer of its own)."""
         self.model, self.tokenizer = model, tokenizer
+        self.detokenize = tokenizer is not None  # off when the caller turns ids into text
         self.config = config = config or EngineConfig()
         self.generation_config = (
             generation_config if generation_config is not None else getattr(model, "generation_config", {})
@@ -94,7 +112,7 @@ class LLMEngine:
             graphs = DecodeGraphs(model, self.cache, min(config.max_num_seqs, 256), max_pages, num_pages)
         self.runner = ModelRunner(model, self.cache, config.msa_dense_window, graphs)
         self.sampler = Sampler()
-        self.eos_ids = eos_ids_of(tokenizer, self.generation_config)
+        self.eos_ids = eos_ids_of(tokenizer, self.generation_config, eos_ids)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
@@ -104,20 +122,7 @@ class LLMEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
         """Raise ValueError for an empty, too long or out-of-vocabulary prompt, or a logit bias
         outside the vocabulary (reads no engine state)."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len} "
-                "(prompt plus at least one generated token)"
-            )
-        vocab = self.model.args.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t, _ in params.logit_bias if t >= vocab), None) if params else None
-        if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+        validate_request(prompt_ids, params, self.max_model_len, self.model.args.vocab_size)
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -136,12 +141,10 @@ class LLMEngine:
             max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
             generator=make_generator(params.seed, self.device),
         )
-        if self.tokenizer is not None:
-            from m3lm.tokenizer import IncrementalDetokenizer, StopStrings
+        if self.detokenize:
+            from m3lm.tokenizer import OutputText
 
-            seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
-            if params.stop:
-                seq.stops = StopStrings(params.stop)
+            seq.text_state = OutputText(self.tokenizer, params)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -195,27 +198,20 @@ class LLMEngine:
         seq.error = message
         self.scheduler.finish(seq, "error")
         self.requests.pop(seq.request_id, None)
-        return StepOutput(seq.request_id, finished=True, finish_reason="error", seq=seq)
+        return StepOutput(seq.request_id, finished=True, finish_reason="error", seq=seq, error=message)
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> StepOutput:
         p = seq.params
         seq.output_ids.append(token)
-        res = StepOutput(seq.request_id, [token], seq=seq)
+        res = StepOutput(seq.request_id, [token], seq=seq, num_prefix_cached=seq.num_prefix_cached)
         if lp is not None:
             seq.logprobs.append(lp)
             res.new_logprobs.append(lp)
         stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids)
         reason = "stop" if stop_token else "length" if len(seq.output_ids) >= seq.max_tokens else None
-        if seq.detok is not None:
-            text = "" if stop_token else seq.detok.add(token)
-            if reason is not None:
-                text += seq.detok.flush()
-            if seq.stops is not None:
-                text, hit = seq.stops.feed(text)
-                if hit:
-                    reason = "stop"
-                elif reason is not None:
-                    text += seq.stops.flush()
+        if seq.text_state is not None:
+            text, hit = seq.text_state.add(token, stop_token, reason is not None)
+            reason = "stop" if hit else reason
             res.new_text = text
             seq.text += text
         if reason is not None:
@@ -223,6 +219,24 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
             res.finished, res.finish_reason = True, reason
         return res
+
+
+def validate_request(prompt_ids: list[int], params: SamplingParams | None, max_model_len: int, vocab: int) -> None:
+    """Raise ValueError for an empty, too long or out-of-vocabulary prompt, or a logit bias
+    outside the vocabulary."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens; the context holds {max_model_len} "
+            "(prompt plus at least one generated token)"
+        )
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    bad = next((t for t, _ in params.logit_bias if t >= vocab), None) if params else None
+    if bad is not None:
+        raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
 
 
 def _logprobs(out, ready: list[Sequence], token_ids: list[int]) -> list[TokenLogprob | None]:

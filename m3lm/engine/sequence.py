@@ -45,8 +45,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
-    detok: object = None  # IncrementalDetokenizer, when a tokenizer is present
-    stops: object = None  # StopStrings, when the request has stop strings
+    text_state: object = None  # OutputText, when the engine detokenizes
 
     @property
     def num_tokens(self) -> int:

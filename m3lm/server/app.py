@@ -2,8 +2,8 @@
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /tokenize,
 /detokenize. Every error is an OpenAI error object with a truthful status. The API key guards
-every route but /health and is compared in constant time. Model compute runs on the engine
-thread; the event loop only parses, routes and streams.
+every route but /health and is compared in constant time. Model compute runs in the engine
+process (`m3lm.engine.engine_loop`); this one parses, tokenizes, detokenizes and streams.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m3lm.engine.async_engine import AsyncEngine
+from m3lm.errors import M3lmError
 from m3lm.server.asgi import ApiKeyAuth, DrainingServer, RequestLimits, guarded_h11
 from m3lm.server.handlers import ApiError, ServerState, chat_completion, completion
 from m3lm.server.metrics import Metrics
@@ -55,7 +56,7 @@ def build_app(
             fmt = ReplyFormat.from_tokenizer(tokenizer.hf)
         except ValueError:
             log.info("the tokenizer has no reasoning/tool-call markers: replies are plain content")
-    state = ServerState(engine, tokenizer, model_name, limits, metrics, engine.engine.default_params(), fmt)
+    state = ServerState(engine, tokenizer, model_name, limits, metrics, engine.default_params(), fmt)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -172,7 +173,7 @@ def build_app(
         check_model(req.model)
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer")
-        vocab = engine.engine.model.args.vocab_size
+        vocab = engine.info.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise ApiError(400, f"token ids must be in [0, {vocab})")
         return {"prompt": await run_in_threadpool(tokenizer.decode, req.tokens)}
@@ -195,7 +196,7 @@ def create_server_app(
     if cache_salt_by_api_key and not keys:
         raise ValueError("cache_salt_by_api_key needs API keys")
     metrics = Metrics(model_name)
-    engine.observer = metrics.observe_step
+    engine.metrics = metrics
     app = build_app(engine, tokenizer, model_name, limits, metrics)
     app.state.m3lm.salt_by_tenant = cache_salt_by_api_key
     guarded = RequestLimits(app, limits.max_body_bytes, limits.max_header_bytes, limits.body_timeout_s)
@@ -249,53 +250,74 @@ def serve(
     expert_parallel: bool = False,
     quant: str = "auto",
     cache_salt_by_api_key: bool = False,
+    load_format: str = "auto",
+    skip_tokenizer_init: bool = False,
     **engine_kwargs,
 ) -> None:
-    """Load the model, start the engine thread and run uvicorn until SIGINT/SIGTERM.
+    """Start the engine process (it loads the model), then run uvicorn until SIGINT/SIGTERM.
 
-    With tensor parallelism (or under torchrun) rank 0 serves HTTP and the other ranks follow.
+    This process serves HTTP, tokenizes and detokenizes; the engine process schedules and runs
+    the model (and, under tensor parallelism, drives the other ranks). Under torchrun rank 0 is
+    the engine already, so its loop runs on a thread here and the other ranks follow.
     """
+    from m3lm.config import EngineConfig
     from m3lm.distributed.launch import launch, under_torchrun
+    from m3lm.engine.engine import LLMEngine
+    from m3lm.engine.engine_loop import EngineSpec
+    from m3lm.loader import check_dir
+    from m3lm.tokenizer import load_tokenizer
 
-    if tensor_parallel_size > 1 or under_torchrun():
+    limits = limits or Limits()
+    name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
+    args = (name, host, port, grace_s, limits, api_key, cache_salt_by_api_key)
+    if under_torchrun():
         loaded = launch(model_dir, tensor_parallel_size, expert_parallel, device, dtype, quant=quant)
         if loaded is None:  # a follower rank: rank 0 has stopped
             return
         model, tokenizer, group = loaded
-    else:
-        import m3lm
-
-        model, tokenizer = m3lm.load(model_dir, device=device, dtype=dtype, quant=quant)
-        group = None
-    name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
-    try:
-        _serve(
-            model,
-            tokenizer,
-            name,
-            host,
-            port,
-            grace_s,
-            limits or Limits(),
-            engine_kwargs,
-            api_key,
-            cache_salt_by_api_key,
-        )
-    finally:
-        if group is not None:
+        try:
+            engine = AsyncEngine(LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs)), limits.max_queue)
+            _serve(engine, tokenizer, *args)
+        finally:
             group.shutdown()
+        return
+    path = check_dir(model_dir)
+    tokenizer = None if skip_tokenizer_init else load_tokenizer(path)
+    EngineConfig(**engine_kwargs)  # a bad setting is refused here, before the engine starts
+    spec = EngineSpec(
+        str(path),
+        device,
+        dtype,
+        quant,
+        load_format,
+        tensor_parallel_size,
+        expert_parallel,
+        engine_kwargs,
+        tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else (),
+        logging.getLogger().getEffectiveLevel(),
+    )
+    _serve(AsyncEngine.spawn(spec, tokenizer, limits.max_queue), tokenizer, *args)
 
 
-def _serve(model, tokenizer, name, host, port, grace_s, limits, engine_kwargs, api_key, salt_by_key):
-    from m3lm.config import EngineConfig
-    from m3lm.engine.engine import LLMEngine
-
-    engine = AsyncEngine(LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs)), limits.max_queue).start()
-    app = create_server_app(engine, tokenizer, name, api_key, limits, salt_by_key)
-    log.info("serving %s on http://%s:%d", name, host, port)
-    # Streams still open when the drain ends get their error event; the rest of the grace is for that.
-    config = server_config(app, limits, grace_s=5.0, host=host, port=port, log_level="info")
+def _serve(engine: AsyncEngine, tokenizer, name, host, port, grace_s, limits, api_key, salt_by_key):
+    engine.start()
     try:
-        draining_server(config, app, grace_s).run()
+        app = create_server_app(engine, tokenizer, name, api_key, limits, salt_by_key)
+        info = engine.info
+        log.info(
+            "engine ready on %s: context %d tokens, KV pool %d tokens, up to %d running requests",
+            info.device,
+            info.max_model_len,
+            info.kv_tokens,
+            info.max_num_seqs,
+        )
+        log.info("serving %s on http://%s:%d", name, host, port)
+        # Streams still open when the drain ends get their error event; the rest of the grace is for that.
+        config = server_config(app, limits, grace_s=5.0, host=host, port=port, log_level="info")
+        server = draining_server(config, app, grace_s)
+        engine.on_dead = lambda _: setattr(server, "should_exit", True)
+        server.run()
     finally:
-        engine.stop()  # the engine thread must be idle before the followers are told to stop
+        engine.stop()  # the engine must be idle before the followers are told to stop
+    if engine.error is not None:
+        raise M3lmError(f"the engine stopped: {engine.error}")

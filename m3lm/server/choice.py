@@ -30,14 +30,14 @@ class Choice:
     def consume(self, out: StepOutput) -> list[dict]:
         """Deltas for one engine output (each delta is one kind only)."""
         self.tokens += len(out.new_token_ids)
-        if out.seq is not None:
-            self.cached = out.seq.num_prefix_cached
+        self.cached = out.num_prefix_cached
         if self.parser is None:
             events: list = [ContentDelta(out.new_text)] if out.new_text else []
         else:
             events = []
-            for j, tid in enumerate(out.new_token_ids):
-                events += self.parser.feed(tid, out.new_text if j == len(out.new_token_ids) - 1 else "")
+            texts = out.token_texts or [""] * (len(out.new_token_ids) - 1) + [out.new_text]
+            for tid, text in zip(out.new_token_ids, texts, strict=True):
+                events += self.parser.feed(tid, text)
             if out.finished:
                 events += self.parser.finish()
         deltas = []

@@ -56,7 +56,7 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -316,7 +316,7 @@ async def _collect(state: ServerState, streams: list[RequestStream], choices: li
 
 def _check(out: StepOutput) -> None:
     if out.finish_reason == "error":
-        detail = out.seq.error if out.seq is not None else "unknown error"
+        detail = out.error or "unknown error"
         raise ApiError(500, f"generation failed: {detail}", "internal_error")
 
 

@@ -1,7 +1,7 @@
 """Prometheus metrics, with vLLM's names under the `m3lm:` prefix.
 
-One registry per server (tests run several in one process). The engine thread updates them
-after every step through `observe_step`; the app counts admission rejections.
+One registry per server (tests run several in one process). The engine's outputs update them
+as they arrive (`observe_stats`, `observe_output`); the app counts admission rejections.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from m3lm.engine.engine import LLMEngine, StepOutput
+from m3lm.engine.engine import StepOutput
+from m3lm.engine.messages import Stats
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -57,39 +58,38 @@ class Metrics:
         self.name = model_name
         self._preempted = 0
         self._prefix = (0, 0)  # the scheduler's (prompt, cached) token counts last seen
-        self._last_token: dict[str, float] = {}
 
-    def observe_step(self, outputs: list[StepOutput], engine: LLMEngine) -> None:
+    def observe_stats(self, stats: Stats) -> None:
+        """The gauges and counters the engine reports after a step (any thread)."""
         m = self.name
-        now = time.perf_counter()
-        sched = engine.scheduler
-        self.running.labels(m).set(len(sched.running))
-        self.waiting.labels(m).set(len(sched.waiting))
-        self.kv_usage.labels(m).set(engine.blocks.num_used / engine.blocks.num_pages)
-        prefix = (sched.prompt_tokens, sched.prefix_cached_tokens)
-        self.prefix_queries.labels(m).inc(prefix[0] - self._prefix[0])
-        self.prefix_hits.labels(m).inc(prefix[1] - self._prefix[1])
+        self.running.labels(m).set(stats.running)
+        self.waiting.labels(m).set(stats.waiting)
+        self.kv_usage.labels(m).set(stats.kv_used / max(stats.kv_pages, 1))
+        prefix = (stats.prompt_tokens, stats.cached_tokens)
+        self.prefix_queries.labels(m).inc(max(prefix[0] - self._prefix[0], 0))
+        self.prefix_hits.labels(m).inc(max(prefix[1] - self._prefix[1], 0))
         self._prefix = prefix
-        if sched.num_preemptions > self._preempted:
-            self.preemptions.labels(m).inc(sched.num_preemptions - self._preempted)
-            self._preempted = sched.num_preemptions
-        for out in outputs:
-            seq = out.seq
-            if out.new_token_ids:
-                self.generation_tokens.labels(m).inc(len(out.new_token_ids))
-                last = self._last_token.get(out.request_id)
-                if last is None:
-                    self.prompt_tokens.labels(m).inc(len(seq.prompt_ids))
-                    self.ttft.labels(m).observe(now - seq.arrival)
-                    if seq.first_scheduled_time is not None:
-                        self.queue.labels(m).observe(seq.first_scheduled_time - seq.arrival)
-                else:
-                    self.itl.labels(m).observe(now - last)
-                self._last_token[out.request_id] = now
-            if out.finished:
-                self.e2e.labels(m).observe(now - seq.arrival)
-        for rid in [r for r in self._last_token if r not in engine.requests]:  # finished or aborted
-            del self._last_token[rid]
+        if stats.preemptions > self._preempted:
+            self.preemptions.labels(m).inc(stats.preemptions - self._preempted)
+            self._preempted = stats.preemptions
+
+    def observe_output(
+        self, stream, out: StepOutput, previous: float | None, queued_s: float | None, now: float
+    ) -> None:
+        """One request's output, received at `now` by its stream (a `RequestStream`) whose token
+        before came at `previous` (None: these are its first)."""
+        m = self.name
+        if out.new_token_ids:
+            self.generation_tokens.labels(m).inc(len(out.new_token_ids))
+            if previous is None:
+                self.prompt_tokens.labels(m).inc(len(stream.prompt_ids))
+                self.ttft.labels(m).observe(now - stream.arrival)
+                if queued_s is not None:
+                    self.queue.labels(m).observe(queued_s)
+            else:
+                self.itl.labels(m).observe(now - previous)
+        if out.finished:
+            self.e2e.labels(m).observe(now - stream.arrival)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

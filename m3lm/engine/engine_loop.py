@@ -1,0 +1,224 @@
+"""The engine side of the server: requests in, one batch of outputs per step out, over ZeroMQ.
+
+`EngineLoop` drives an `LLMEngine` (no tokenizer: the server detokenizes) from `Add`/`Abort`
+messages and sends one `Outputs` per step. It runs in its own process for `m3lm serve`
+(`run_engine_process`, which also loads the model), or on a thread of the server (tests,
+torchrun's rank 0). The server binds both sockets; the loop connects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from m3lm.engine import messages as m
+from m3lm.engine.engine import LLMEngine, StepOutput
+
+log = logging.getLogger("m3lm.engine")
+IDLE_POLL_MS = 100  # how long an idle loop sleeps before checking on its parent
+
+
+def engine_info(engine: LLMEngine, warmup_s: float = 0.0) -> m.EngineInfo:
+    return m.EngineInfo(
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.model.args.vocab_size,
+        max_num_seqs=engine.config.max_num_seqs,
+        generation_config=dict(engine.generation_config or {}),
+        eos_ids=sorted(engine.eos_ids),
+        kv_tokens=engine.blocks.num_pages * engine.blocks.page_size,
+        device=str(engine.device),
+        warmup_s=warmup_s,
+    )
+
+
+def engine_stats(engine: LLMEngine) -> m.Stats:
+    s = engine.scheduler
+    return m.Stats(
+        len(s.running),
+        len(s.waiting),
+        engine.blocks.num_used,
+        engine.blocks.num_pages,
+        s.prompt_tokens,
+        s.prefix_cached_tokens,
+        s.num_preemptions,
+    )
+
+
+def to_message(out: StepOutput) -> m.Output:
+    """The wire form of one request's step output (pure)."""
+    seq = out.seq
+    lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs] if out.new_logprobs else None
+    first = seq is not None and len(seq.output_ids) == len(out.new_token_ids)
+    queued = None
+    if first and seq.first_scheduled_time is not None:
+        queued = seq.first_scheduled_time - seq.arrival
+    return m.Output(
+        out.request_id,
+        out.new_token_ids,
+        lps,
+        out.finish_reason,
+        out.error,
+        out.num_prefix_cached,
+        queued,
+    )
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, ctx: zmq.Context, in_addr: str, out_addr: str, parent_pid: int | None = None):
+        self.engine, self.parent_pid = engine, parent_pid
+        self.inbox = ctx.socket(zmq.PULL)
+        self.outbox = ctx.socket(zmq.PUSH)
+        for s in (self.inbox, self.outbox):
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+        self.inbox.connect(in_addr)
+        self.outbox.connect(out_addr)
+        self._stats: m.Stats | None = None
+
+    def send(self, msg) -> None:
+        self.outbox.send(m.encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.inbox.close(0)
+        self.outbox.close(0)
+
+    def _orphaned(self) -> bool:
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
+
+    def _receive(self, timeout_ms: int) -> bool:
+        """Apply every waiting message; False once told to stop."""
+        if not self.inbox.poll(timeout_ms):
+            return True
+        while True:
+            try:
+                msg = m.decode_to_engine(self.inbox.recv(zmq.NOBLOCK, copy=False).buffer)
+            except zmq.Again:
+                return True
+            if isinstance(msg, m.Add):
+                try:
+                    self.engine.add_request(msg.prompt_ids, msg.params, msg.request_id)
+                except ValueError as e:
+                    self.send(m.Outputs([m.Output(msg.request_id, [], None, "error", str(e))], self.stats()))
+            elif isinstance(msg, m.Abort):
+                for rid in msg.request_ids:
+                    self.engine.abort(rid)
+            else:
+                return False
+
+    def stats(self) -> m.Stats:
+        self._stats = engine_stats(self.engine)
+        return self._stats
+
+    def run(self) -> None:
+        """Serve until `Shutdown` or the parent's exit; a fault is reported as `Dead`, then raised."""
+        engine = self.engine
+        try:
+            while self._receive(0 if engine.has_unfinished() else IDLE_POLL_MS):
+                if self._orphaned():
+                    log.warning("the server process has gone: the engine stops")
+                    return
+                if not engine.has_unfinished():
+                    if engine_stats(engine) != self._stats:  # aborts changed the gauges
+                        self.send(m.Outputs([], self.stats()))
+                    continue
+                outs = engine.step()
+                if outs or engine_stats(engine) != self._stats:
+                    self.send(m.Outputs([to_message(o) for o in outs], self.stats()))
+        except Exception as e:
+            self.send(m.Dead(f"{type(e).__name__}: {e}"))
+            raise
+
+
+@dataclass
+class EngineSpec:
+    """How the engine process builds its engine (pickled into the new process)."""
+
+    model_dir: str
+    device: str | None = None
+    dtype: str | None = None
+    quant: str = "auto"
+    load_format: str = "auto"
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
+    engine_kwargs: dict = field(default_factory=dict)
+    eos_ids: tuple[int, ...] = ()  # the tokenizer's, which the engine process does not load
+    log_level: int = logging.INFO
+
+
+def build_engine(spec: EngineSpec):
+    """Load the model (rank 0 of a group under tensor parallelism) -> (LLMEngine, group or None)."""
+    from m3lm.config import EngineConfig
+
+    group = None
+    load_kwargs = {} if spec.load_format == "auto" else {"load_format": spec.load_format}
+    if spec.tensor_parallel_size > 1:
+        from m3lm.distributed.launch import launch
+
+        model, _, group = launch(
+            spec.model_dir, spec.tensor_parallel_size, spec.expert_parallel, spec.device, spec.dtype, quant=spec.quant
+        )
+    else:
+        import m3lm
+
+        model, _ = m3lm.load(spec.model_dir, spec.device, spec.dtype, quant=spec.quant, **load_kwargs)
+    try:
+        engine = LLMEngine(model, None, EngineConfig(**spec.engine_kwargs), eos_ids=spec.eos_ids)
+    except BaseException:
+        if group is not None:
+            group.shutdown(timeout=5.0)
+        raise
+    return engine, group
+
+
+def run_engine_process(spec: EngineSpec, in_addr: str, out_addr: str, parent_pid: int) -> None:
+    """Entry point of the engine process: build, answer `Ready` or `Failed`, then serve."""
+    # Ctrl-C reaches the whole process group; the server decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    loop = None
+    group = None
+    code = 0
+    try:
+        start = time.perf_counter()
+        try:
+            engine, group = build_engine(spec)
+            loop = EngineLoop(engine, ctx, in_addr, out_addr, parent_pid)
+        except Exception as e:
+            out = ctx.socket(zmq.PUSH)
+            out.setsockopt(zmq.LINGER, 2000)
+            out.connect(out_addr)
+            out.send(m.encode(m.Failed(str(e) or type(e).__name__)))
+            out.close()
+            code = 1
+            return
+        warm = warm_up(engine)
+        log.info("engine ready in %.1f s", time.perf_counter() - start)
+        loop.send(m.Ready(engine_info(engine, warm)))
+        loop.run()
+    except Exception:
+        log.exception("the engine stopped on a fault")
+        code = 1
+    finally:
+        if loop is not None:
+            loop.close()
+        ctx.destroy(linger=0)
+        if group is not None:
+            group.shutdown(timeout=10.0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if code:
+            os._exit(code)
+
+
+def warm_up(engine: LLMEngine) -> float:
+    """Compile and capture what serving will run, before the first request; returns seconds."""
+    return 0.0

@@ -1,0 +1,105 @@
+"""The messages between the API server and the engine loop, and their msgpack encoding.
+
+The server sends `Add` and `Abort`; the engine answers once with `Ready` (or `Failed`), then
+sends one `Outputs` per step holding every request's new tokens, and `Dead` if it stops on a
+fault. Token text is not in them: the server detokenizes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from m3lm.core import SamplingParams
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """What the server needs to know of the engine to validate and admit requests."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    generation_config: dict
+    eos_ids: list[int]
+    kv_tokens: int  # the KV pool's capacity in positions
+    device: str = "cpu"
+    warmup_s: float = 0.0
+
+
+class Add(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    info: EngineInfo
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    """The engine could not start (a bad checkpoint, no memory for the cache, ...)."""
+
+    error: str
+
+
+class Dead(msgspec.Struct, tag=True, array_like=True):
+    """The engine stopped on a fault; every open request is lost."""
+
+    error: str
+
+
+class Output(msgspec.Struct, array_like=True):
+    """One request's gain in one step."""
+
+    request_id: str
+    token_ids: list[int]
+    # per token: (chosen id, its logprob, [(alternative id, logprob), ...]); None if not asked
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    finish_reason: str | None = None  # "stop" (a stop token) | "length" | "error"
+    error: str | None = None
+    num_prefix_cached: int = 0
+    queued_s: float | None = None  # on a request's first output: its wait before it was scheduled
+
+
+class Stats(msgspec.Struct, array_like=True):
+    """The scheduler's gauges and counters after a step."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_used: int = 0
+    kv_pages: int = 1
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+
+
+class Outputs(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[Output]
+    stats: Stats
+
+
+ToEngine = Add | Abort | Shutdown
+FromEngine = Ready | Failed | Dead | Outputs
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_from_engine = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(msg: ToEngine | FromEngine) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_engine(data: bytes) -> ToEngine:
+    return _to_engine.decode(data)
+
+
+def decode_from_engine(data: bytes) -> FromEngine:
+    return _from_engine.decode(data)
