@@ -152,7 +152,9 @@ class AsyncEngine:
     """`AsyncEngine(llm_engine)` runs the loop on a thread; `AsyncEngine.spawn(spec, tokenizer)`
     in a process of its own. Call `start()` (it returns once the engine is ready), then `add`."""
 
-    def __init__(self, engine: LLMEngine | None, max_queue: int = 256, tokenizer=None, cpu_threads: int | None = 1):
+    def __init__(
+        self, engine: LLMEngine | None, max_queue: int = 256, tokenizer=None, cpu_threads: int | None = 1
+    ):
         self.engine = engine  # the in-process engine, when the loop runs on a thread
         self.tokenizer = tokenizer if engine is None else engine.tokenizer
         if engine is not None:
@@ -289,7 +291,9 @@ class AsyncEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
         validate_request(prompt_ids, params, self.info.max_model_len, self.info.vocab_size)
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+    def add(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
         """Admit a request or raise: ValueError (bad prompt), QueueFull, EngineDead."""
         if self.error is not None:
             raise EngineDead(self.error)

@@ -221,7 +221,9 @@ class LLMEngine:
         return res
 
 
-def validate_request(prompt_ids: list[int], params: SamplingParams | None, max_model_len: int, vocab: int) -> None:
+def validate_request(
+    prompt_ids: list[int], params: SamplingParams | None, max_model_len: int, vocab: int
+) -> None:
     """Raise ValueError for an empty, too long or out-of-vocabulary prompt, or a logit bias
     outside the vocabulary."""
     if not prompt_ids:

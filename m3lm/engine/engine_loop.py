@@ -70,7 +70,9 @@ def to_message(out: StepOutput) -> m.Output:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, ctx: zmq.Context, in_addr: str, out_addr: str, parent_pid: int | None = None):
+    def __init__(
+        self, engine: LLMEngine, ctx: zmq.Context, in_addr: str, out_addr: str, parent_pid: int | None = None
+    ):
         self.engine, self.parent_pid = engine, parent_pid
         self.inbox = ctx.socket(zmq.PULL)
         self.outbox = ctx.socket(zmq.PUSH)
@@ -162,7 +164,12 @@ def build_engine(spec: EngineSpec):
         from m3lm.distributed.launch import launch
 
         model, _, group = launch(
-            spec.model_dir, spec.tensor_parallel_size, spec.expert_parallel, spec.device, spec.dtype, quant=spec.quant
+            spec.model_dir,
+            spec.tensor_parallel_size,
+            spec.expert_parallel,
+            spec.device,
+            spec.dtype,
+            quant=spec.quant,
         )
     else:
         import m3lm

@@ -6,8 +6,6 @@ as they arrive (`observe_stats`, `observe_output`); the app counts admission rej
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from m3lm.engine.engine import StepOutput
