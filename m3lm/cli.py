@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 import time
 
@@ -103,7 +105,13 @@ def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -
 
     start, first, text, n_prompt, n_gen, cached = time.perf_counter(), None, [], 0, 0, 0
     for chunk in stream_generate(
-        model, tokenizer, msa_dense_window=args.msa_dense_window, engine=engine, **prompt, **_sampling(args)
+        model,
+        tokenizer,
+        msa_dense_window=args.msa_dense_window,
+        engine=engine,
+        pool=None if engine is not None else _pool(args),
+        **prompt,
+        **_sampling(args),
     ):
         first = first or time.perf_counter()
         sys.stdout.write(chunk.text)
@@ -173,7 +181,7 @@ def _chat(model, tokenizer, args: argparse.Namespace) -> int:
     # One engine for the whole conversation: each turn's prompt starts on the pages that the
     # history left in its prefix cache, so only the new message (and the template's tail) is
     # computed.
-    engine = session_engine(model, tokenizer, args.max_model_len, args.msa_dense_window)
+    engine = session_engine(model, tokenizer, args.max_model_len, args.msa_dense_window, pool=_pool(args))
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     interactive = sys.stdin.isatty()
@@ -241,6 +249,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.expert_parallel,
         quant=args.quant,
+        **_pool(args),
     )
     return 0
 
@@ -270,6 +279,60 @@ def _positive(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
     return n
+
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1073741824", "20GiB", "512 MiB" or "1.5GB" (KiB = 1024 bytes, KB = 1000)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m and SIZE_UNITS.get(m.group(2).lower())
+    if unit is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or e.g. 20GiB, 512MiB, 1.5GB)")
+    n = int(float(m.group(1)) * unit) if "." in m.group(1) else int(m.group(1)) * unit
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return n
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a number in (0, 1]")
+    return v
+
+
+def _pool_args(p: argparse.ArgumentParser, utilization: float | None, default: str) -> None:
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=utilization,
+        metavar="F",
+        help="share of the whole GPU's memory for weights, activations and the KV cache; the cache "
+        f"takes what is left after the weights and the measured peak activation ({default})",
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="the KV cache's size in bytes, or e.g. 20GiB, 512MiB (instead of --gpu-memory-utilization)",
+    )
+    size.add_argument(
+        "--kv-cache-tokens", type=_positive, default=None, metavar="N", help="the KV cache's size in tokens"
+    )
+
+
+def _pool(args: argparse.Namespace) -> dict:
+    """The KV pool's EngineConfig fields given on the command line."""
+    keys = ("gpu_memory_utilization", "kv_cache_memory", "kv_cache_tokens")
+    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -397,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="with tensor parallelism: whole experts per rank instead of every expert's width split",
         )
+    for p in (gen, chat):
+        _pool_args(p, None, "default: a cache of the request's length")
+    _pool_args(srv, 0.9, "default: 0.9")
     for p in (gen, chat, srv):
         p.add_argument(
             "--quant",
