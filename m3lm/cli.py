@@ -71,12 +71,20 @@ def _load(args: argparse.Namespace):
     tp = getattr(args, "tensor_parallel_size", 1)
     try:
         if tp > 1 or under_torchrun():
+            if args.load_format != "auto" or args.skip_tokenizer_init:
+                raise M3lmError("--load-format dummy and --skip-tokenizer-init need --tensor-parallel-size 1")
             ep = args.expert_parallel
             return launch(
                 args.model, tp, ep, device=args.device, dtype=args.dtype, progress=progress, quant=args.quant
             )
         loaded = m3lm.load(
-            args.model, device=args.device, dtype=args.dtype, progress=progress, quant=args.quant
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            progress=progress,
+            quant=args.quant,
+            load_format=args.load_format,
+            skip_tokenizer_init=args.skip_tokenizer_init,
         )
         return (*loaded, None)
     finally:
@@ -132,7 +140,16 @@ def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -
     return "".join(text)
 
 
+def _need_tokenizer(args: argparse.Namespace) -> None:
+    if args.skip_tokenizer_init:
+        raise M3lmError(
+            f"m3lm {args.command} reads and prints text, so it needs a tokenizer: drop "
+            "--skip-tokenizer-init (token ids in and out: m3lm serve, or the Python API)"
+        )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    _need_tokenizer(args)
     loaded = _load(args)
     if loaded is None:
         return 0
@@ -150,6 +167,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(model, tokenizer, args: argparse.Namespace) -> None:
+    if tokenizer is None:
+        raise M3lmError(f"{args.model} has no tokenizer files: m3lm generate needs one")
     if args.chat or args.system:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}
@@ -162,6 +181,7 @@ def _generate(model, tokenizer, args: argparse.Namespace) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """A REPL that keeps the conversation; /reset clears it, /exit or end of input quits."""
+    _need_tokenizer(args)
     loaded = _load(args)
     if loaded is None:  # a follower rank under torchrun: rank 0 has finished
         return 0
@@ -249,6 +269,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.expert_parallel,
         quant=args.quant,
+        load_format=args.load_format,
+        skip_tokenizer_init=args.skip_tokenizer_init,
         **_pool(args),
     )
     return 0
@@ -470,6 +492,18 @@ def build_parser() -> argparse.ArgumentParser:
             default="auto",
             help="MXFP8 weights: auto keeps an MXFP8 checkpoint in 8 bits on a GPU, mxfp8 always "
             "(quantising a bf16 checkpoint at load), none dequantises",
+        )
+        p.add_argument(
+            "--load-format",
+            choices=["auto", "dummy"],
+            default="auto",
+            help="auto reads the safetensors; dummy builds random weights on the device from config.json "
+            "alone (a folder with only config.json works), for benchmarks",
+        )
+        p.add_argument(
+            "--skip-tokenizer-init",
+            action="store_true",
+            help="load no tokenizer: token ids in and out (serve's completions take token-id prompts)",
         )
         p.add_argument(
             "--verbose", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"

@@ -249,15 +249,20 @@ def serve(
     expert_parallel: bool = False,
     quant: str = "auto",
     cache_salt_by_api_key: bool = False,
+    load_format: str = "auto",
+    skip_tokenizer_init: bool = False,
     **engine_kwargs,
 ) -> None:
     """Load the model, start the engine thread and run uvicorn until SIGINT/SIGTERM.
 
     With tensor parallelism (or under torchrun) rank 0 serves HTTP and the other ranks follow.
+    `load_format` and `skip_tokenizer_init` as in `m3lm.load`; `engine_kwargs`: EngineConfig fields.
     """
     from m3lm.distributed.launch import launch, under_torchrun
 
     if tensor_parallel_size > 1 or under_torchrun():
+        if load_format != "auto" or skip_tokenizer_init:
+            raise ValueError("--load-format dummy and --skip-tokenizer-init need --tensor-parallel-size 1")
         loaded = launch(model_dir, tensor_parallel_size, expert_parallel, device, dtype, quant=quant)
         if loaded is None:  # a follower rank: rank 0 has stopped
             return
@@ -265,7 +270,14 @@ def serve(
     else:
         import m3lm
 
-        model, tokenizer = m3lm.load(model_dir, device=device, dtype=dtype, quant=quant)
+        model, tokenizer = m3lm.load(
+            model_dir,
+            device=device,
+            dtype=dtype,
+            quant=quant,
+            load_format=load_format,
+            skip_tokenizer_init=skip_tokenizer_init,
+        )
         group = None
     name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
     try:
