@@ -183,4 +183,5 @@ def test_gpu_pool_holds_85_percent_of_what_is_left():
     total = torch.cuda.get_device_properties(0).total_memory
     left = total * 0.5 - info.weight_bytes - info.peak_activation_bytes
     assert info.pool_bytes >= 0.85 * left and info.max_concurrency >= 1
+    assert info.pool_bytes <= info.budget_bytes < left
     assert engine.cache.k[0].shape[0] == engine.blocks.num_pages + 1  # the spare page

@@ -46,13 +46,15 @@ class EngineInfo:
     max_model_len: int
     max_concurrency: float  # sequences of max_model_len the pool holds at once
     peak_activation_bytes: int | None  # measured on a GPU when the pool is sized from its memory
+    budget_bytes: int | None = None  # what the GPU's memory left for the pool, if it sized it
 
     def summary(self) -> str:
-        peak = self.peak_activation_bytes
+        peak, budget = self.peak_activation_bytes, self.budget_bytes
+        of = f" of a {budget / GIB:.2f} GiB budget" if budget else ""
         return (
             f"engine on {self.device} ({self.dtype}): weights {self.weight_bytes / GIB:.2f} GiB, "
             f"peak activation {'-' if peak is None else f'{peak / GIB:.2f} GiB'}; KV pool "
-            f"{self.pool_tokens:,} tokens in {self.pool_bytes / GIB:.2f} GiB (from {self.pool_source}), "
+            f"{self.pool_tokens:,} tokens in {self.pool_bytes / GIB:.2f} GiB{of} (from {self.pool_source}), "
             f"{self.max_concurrency:.2f} concurrent sequences of max_model_len {self.max_model_len:,}"
         )
 
@@ -153,10 +155,11 @@ class LLMEngine:
             explicit_bytes=config.kv_cache_memory,
             **figures,
         )
-        if self.device.type == "cuda" and plan.bytes > (free := _free_bytes(self.device)):
+        need = plan.bytes // plan.pages * (plan.pages + 1)  # and the spare page
+        if self.device.type == "cuda" and need > (free := _free_bytes(self.device)):
             raise ConfigError(
-                f"the KV cache needs {plan.bytes / (1 << 30):.2f} GiB but the GPU has "
-                f"{free / (1 << 30):.2f} GiB free (another process?); lower --gpu-memory-utilization "
+                f"the KV cache needs {need / GIB:.2f} GiB but the GPU has {free / GIB:.2f} GiB free "
+                "(another process, or another engine in this one?); lower --gpu-memory-utilization "
                 "or set --kv-cache-memory"
             )
         if config.max_model_len is None and plan.max_model_len < max_pos:
@@ -176,6 +179,7 @@ class LLMEngine:
             max_model_len=plan.max_model_len,
             max_concurrency=plan.max_concurrency,
             peak_activation_bytes=peak,
+            budget_bytes=plan.budget_bytes,
         )
         return plan
 
