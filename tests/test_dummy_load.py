@@ -141,3 +141,11 @@ def test_dummy_mxfp8_on_the_gpu_stays_8_bit(tmp_path):
     model, _ = m3lm.load(config_only(tmp_path / "q", cfg), device="cuda", load_format="dummy")
     assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
     assert torch.isfinite(model((torch.arange(40, device="cuda") % SPEC.vocab)[None])).all()
+
+
+def test_offline_llm_on_dummy_weights_takes_token_ids(tmp_path):
+    from m3lm.llm import LLM
+
+    llm = LLM(config_only(tmp_path / "m"), device="cpu", load_format="dummy", max_model_len=64)
+    out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
