@@ -69,7 +69,7 @@ def param_seed(name: str, seed: int, rank: int | None = None) -> int:
 
 
 def _std(p: torch.Tensor) -> float:
-    return 0.1 if p.dim() == 1 else 0.02  # as `m3lm.bench.build_slice`
+    return 0.1 if p.dim() == 1 else 0.02  # as `m3lm.loader.random_weights_`
 
 
 def full_shapes(args: ModelArgs, dtype: torch.dtype) -> dict[str, tuple[int, ...]]:

@@ -45,6 +45,8 @@ def load(
     progress: Callable[[int, int], None] | None = None,
     quant: str | None = "auto",
     parallel: ParallelConfig = SINGLE,
+    load_format: str = "auto",
+    skip_tokenizer_init: bool = False,
 ) -> tuple[MiniMaxM3, Any]:
     """Load a local checkpoint directory: returns (model, tokenizer or None).
 
@@ -52,14 +54,24 @@ def load(
     (quantising a bf16/fp32 checkpoint at load), "none" dequantises. With `parallel` (a rank of
     a tensor-parallel group) the model is that rank's shard, 8-bit where the weights are.
     The model carries the checkpoint's generation_config.json as `model.generation_config`
-    (sampling defaults and EOS ids).
+    (sampling defaults and EOS ids). `load_format="dummy"` builds the model from config.json
+    alone with seeded random weights made on the device (`m3lm.loader.random_weights_`); with
+    `skip_tokenizer_init` the tokenizer is None (token ids in and out).
     """
     from m3lm.tokenizer import load_tokenizer
 
     path = check_dir(path)
-    model = load_model(path, device=device, dtype=dtype, progress=progress, quant=quant, parallel=parallel)
+    model = load_model(
+        path,
+        device=device,
+        dtype=dtype,
+        progress=progress,
+        quant=quant,
+        parallel=parallel,
+        load_format=load_format,
+    )
     model.generation_config = read_generation_config(path)
-    return model, load_tokenizer(path)
+    return model, None if skip_tokenizer_init else load_tokenizer(path)
 
 
 def read_generation_config(path: Path) -> dict:

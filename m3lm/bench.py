@@ -34,6 +34,7 @@ from m3lm.engine.cuda_graphs import DecodeGraphs
 from m3lm.gpu_meter import GpuMeter, GpuState
 from m3lm.layers.linear import weight_bytes
 from m3lm.layers.rotary import rope_cos_sin
+from m3lm.loader import random_weights_
 from m3lm.models.minimax_m3 import MiniMaxM3, add_norm, keep_mxfp8_, release_config
 
 RELEASE_DENSE, RELEASE_SPARSE = 3, 57  # the release's dense + full-attention and MoE + MSA layers
@@ -53,18 +54,11 @@ def release_slice_config(layers: int) -> dict:
 
 
 def build_slice(layers: int, device: str = "cuda", seed: int = 0) -> MiniMaxM3:
+    """The release slice in bf16 with `random_weights_` (what `--load-format dummy` makes)."""
     args = parse_config(release_slice_config(layers))
     with torch.device("meta"):
         model = MiniMaxM3(args, dtype=torch.bfloat16)
-    model = model.to_empty(device=device).eval().requires_grad_(False)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            std = 0.1 if p.dim() == 1 else 0.02
-            p.normal_(0.0, std, generator=gen)
-            if name.endswith("e_score_correction_bias"):
-                p.mul_(0.01)
-    return model
+    return random_weights_(model.to_empty(device=device), seed).eval().requires_grad_(False)
 
 
 @dataclass

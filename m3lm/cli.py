@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 import time
 
@@ -69,12 +71,20 @@ def _load(args: argparse.Namespace):
     tp = getattr(args, "tensor_parallel_size", 1)
     try:
         if tp > 1 or under_torchrun():
+            if args.load_format != "auto" or args.skip_tokenizer_init:
+                raise M3lmError("--load-format dummy and --skip-tokenizer-init need --tensor-parallel-size 1")
             ep = args.expert_parallel
             return launch(
                 args.model, tp, ep, device=args.device, dtype=args.dtype, progress=progress, quant=args.quant
             )
         loaded = m3lm.load(
-            args.model, device=args.device, dtype=args.dtype, progress=progress, quant=args.quant
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            progress=progress,
+            quant=args.quant,
+            load_format=args.load_format,
+            skip_tokenizer_init=args.skip_tokenizer_init,
         )
         return (*loaded, None)
     finally:
@@ -103,7 +113,13 @@ def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -
 
     start, first, text, n_prompt, n_gen, cached = time.perf_counter(), None, [], 0, 0, 0
     for chunk in stream_generate(
-        model, tokenizer, msa_dense_window=args.msa_dense_window, engine=engine, **prompt, **_sampling(args)
+        model,
+        tokenizer,
+        msa_dense_window=args.msa_dense_window,
+        engine=engine,
+        pool=None if engine is not None else _pool(args),
+        **prompt,
+        **_sampling(args),
     ):
         first = first or time.perf_counter()
         sys.stdout.write(chunk.text)
@@ -124,7 +140,16 @@ def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -
     return "".join(text)
 
 
+def _need_tokenizer(args: argparse.Namespace) -> None:
+    if args.skip_tokenizer_init:
+        raise M3lmError(
+            f"m3lm {args.command} reads and prints text, so it needs a tokenizer: drop "
+            "--skip-tokenizer-init (token ids in and out: m3lm serve, or the Python API)"
+        )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    _need_tokenizer(args)
     loaded = _load(args)
     if loaded is None:
         return 0
@@ -142,6 +167,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(model, tokenizer, args: argparse.Namespace) -> None:
+    if tokenizer is None:
+        raise M3lmError(f"{args.model} has no tokenizer files: m3lm generate needs one")
     if args.chat or args.system:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}
@@ -154,6 +181,7 @@ def _generate(model, tokenizer, args: argparse.Namespace) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """A REPL that keeps the conversation; /reset clears it, /exit or end of input quits."""
+    _need_tokenizer(args)
     loaded = _load(args)
     if loaded is None:  # a follower rank under torchrun: rank 0 has finished
         return 0
@@ -173,7 +201,7 @@ def _chat(model, tokenizer, args: argparse.Namespace) -> int:
     # One engine for the whole conversation: each turn's prompt starts on the pages that the
     # history left in its prefix cache, so only the new message (and the template's tail) is
     # computed.
-    engine = session_engine(model, tokenizer, args.max_model_len, args.msa_dense_window)
+    engine = session_engine(model, tokenizer, args.max_model_len, args.msa_dense_window, pool=_pool(args))
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     interactive = sys.stdin.isatty()
@@ -241,6 +269,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.expert_parallel,
         quant=args.quant,
+        load_format=args.load_format,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        **_pool(args),
     )
     return 0
 
@@ -270,6 +301,60 @@ def _positive(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
     return n
+
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1073741824", "20GiB", "512 MiB" or "1.5GB" (KiB = 1024 bytes, KB = 1000)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m and SIZE_UNITS.get(m.group(2).lower())
+    if unit is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or e.g. 20GiB, 512MiB, 1.5GB)")
+    n = int(float(m.group(1)) * unit) if "." in m.group(1) else int(m.group(1)) * unit
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return n
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a number in (0, 1]")
+    return v
+
+
+def _pool_args(p: argparse.ArgumentParser, utilization: float | None, default: str) -> None:
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=utilization,
+        metavar="F",
+        help="share of the whole GPU's memory for weights, activations and the KV cache; the cache "
+        f"takes what is left after the weights and the measured peak activation ({default})",
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="the KV cache's size in bytes, or e.g. 20GiB, 512MiB (instead of --gpu-memory-utilization)",
+    )
+    size.add_argument(
+        "--kv-cache-tokens", type=_positive, default=None, metavar="N", help="the KV cache's size in tokens"
+    )
+
+
+def _pool(args: argparse.Namespace) -> dict:
+    """The KV pool's EngineConfig fields given on the command line."""
+    keys = ("gpu_memory_utilization", "kv_cache_memory", "kv_cache_tokens")
+    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -397,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="with tensor parallelism: whole experts per rank instead of every expert's width split",
         )
+    for p in (gen, chat):
+        _pool_args(p, None, "default: a cache of the request's length")
+    _pool_args(srv, 0.9, "default: 0.9")
     for p in (gen, chat, srv):
         p.add_argument(
             "--quant",
@@ -404,6 +492,18 @@ def build_parser() -> argparse.ArgumentParser:
             default="auto",
             help="MXFP8 weights: auto keeps an MXFP8 checkpoint in 8 bits on a GPU, mxfp8 always "
             "(quantising a bf16 checkpoint at load), none dequantises",
+        )
+        p.add_argument(
+            "--load-format",
+            choices=["auto", "dummy"],
+            default="auto",
+            help="auto reads the safetensors; dummy builds random weights on the device from config.json "
+            "alone (a folder with only config.json works), for benchmarks",
+        )
+        p.add_argument(
+            "--skip-tokenizer-init",
+            action="store_true",
+            help="load no tokenizer: token ids in and out (serve's completions take token-id prompts)",
         )
         p.add_argument(
             "--verbose", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"

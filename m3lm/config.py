@@ -393,10 +393,14 @@ def parse_config(config: dict[str, Any]) -> ModelArgs:
 class EngineConfig:
     """Runtime knobs of the engine (not properties of a checkpoint).
 
-    `kv_cache_tokens` is the capacity of the paged caches in positions (None: enough for
-    `max_num_seqs` sequences of `max_model_len`, capped by `kv_cache_bytes`). `msa_dense_window`
-    F > 0 is an opt-in approximation: a sparse layer attends densely while its selected window
-    covers at least 1/F of the context (t < F * topk * block_size); off (exact MSA) by default.
+    The paged KV pool: `kv_cache_tokens` (positions) or `kv_cache_memory` (bytes) set its size;
+    else on a GPU it takes what `gpu_memory_utilization` (the share of the whole GPU's memory for
+    weights, activations and cache) leaves after the weights and the measured peak activation,
+    and on the CPU 1 GiB capped at `max_num_seqs` sequences of `max_model_len`
+    (`m3lm.cache.pool.plan_pool`). `max_model_len` None: the model's, shrunk to what the pool
+    holds. `msa_dense_window` F > 0 is an opt-in approximation: a sparse layer attends densely
+    while its selected window covers at least 1/F of the context (t < F * topk * block_size);
+    off (exact MSA) by default.
     `index_cache_fp8` stores the MSA index keys as e4m3 with one fp32 scale per token (about half
     the bytes); it rounds the index scores, so it may change block selections: off by default.
     `prefix_caching`: a new prompt starts on the cache pages that already hold its longest prefix
@@ -408,7 +412,8 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048
     kv_cache_tokens: int | None = None
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
     msa_dense_window: float | None = None
     cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs
     index_cache_fp8: bool = False
@@ -419,5 +424,13 @@ class EngineConfig:
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"{key} = {v!r} must be an integer >= 1")
+        m = self.kv_cache_memory
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ConfigError(f"kv_cache_memory = {m!r} must be a number of bytes >= 1")
+        if m is not None and self.kv_cache_tokens is not None:
+            raise ConfigError("set kv_cache_tokens or kv_cache_memory, not both")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ConfigError(f"gpu_memory_utilization = {u!r} must be a number in (0, 1]")
         if self.msa_dense_window is not None and not self.msa_dense_window > 0:
             raise ConfigError(f"msa_dense_window = {self.msa_dense_window!r} must be > 0")

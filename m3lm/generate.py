@@ -83,6 +83,7 @@ def stream_generate(
     msa_dense_window: float | None = None,
     prefill_chunk_size: int = 2048,
     engine: LLMEngine | None = None,
+    pool: dict[str, Any] | None = None,
     **sampling: Any,
 ) -> Iterator[GenerationChunk]:
     """Yield text increments as they are decided. `sampling` takes SamplingParams fields
@@ -91,13 +92,14 @@ def stream_generate(
 
     Without `engine`, one sized to this prompt runs it; with one (`session_engine`), the prompt
     starts on the pages its earlier requests left cached (a chat's history is computed once),
-    and a prompt longer than its context raises ValueError before anything runs."""
+    and a prompt longer than its context raises ValueError before anything runs. `pool`: the KV
+    pool's EngineConfig fields for the engine made here (default: the request's length)."""
     ids = prompt_ids(tokenizer, prompt, messages, tools, chat_template_kwargs)
     gen_cfg = getattr(model, "generation_config", {})
     params = sampling_params or SamplingParams.from_generation_config(gen_cfg, **sampling)
     if engine is None:
         engine = _one_request_engine(
-            model, tokenizer, len(ids) + params.max_tokens, msa_dense_window, prefill_chunk_size
+            model, tokenizer, len(ids) + params.max_tokens, msa_dense_window, prefill_chunk_size, pool
         )
     elif engine.has_unfinished():
         raise ValueError("the engine is running another request")
@@ -127,25 +129,33 @@ def session_engine(
     max_model_len: int | None = None,
     msa_dense_window: float | None = None,
     prefill_chunk_size: int = 2048,
+    pool: dict[str, Any] | None = None,
 ) -> LLMEngine:
     """An engine for one request at a time whose prompts share prefixes (a chat REPL): its cache
     keeps each request's pages after it ends, so `stream_generate(..., engine=...)` computes
     only what a prompt adds to the longest prefix seen before. It holds max_model_len tokens
-    (default: `SESSION_CONTEXT`, at most the model's), prompt and reply together."""
+    (default: `SESSION_CONTEXT`, at most the model's), prompt and reply together; `pool`: the KV
+    pool's EngineConfig fields (default: a pool of max_model_len tokens)."""
     return _one_request_engine(
-        model, tokenizer, max_model_len or SESSION_CONTEXT, msa_dense_window, prefill_chunk_size
+        model, tokenizer, max_model_len or SESSION_CONTEXT, msa_dense_window, prefill_chunk_size, pool
     )
 
 
-def _one_request_engine(model, tokenizer, context, msa_dense_window, prefill_chunk_size) -> LLMEngine:
-    """An engine for one sequence at a time of up to `context` tokens (at most the model's)."""
+def _one_request_engine(
+    model, tokenizer, context, msa_dense_window, prefill_chunk_size, pool=None
+) -> LLMEngine:
+    """An engine for one sequence at a time of up to `context` tokens (at most the model's), its
+    pool that long unless `pool` (kv_cache_tokens, kv_cache_memory, gpu_memory_utilization) says."""
     context = min(context, model.args.max_position_embeddings)
+    pool = pool or {}
+    sized = any(k in pool for k in ("kv_cache_tokens", "kv_cache_memory", "gpu_memory_utilization"))
     config = EngineConfig(
         max_num_seqs=1,
         max_model_len=context,
         max_num_batched_tokens=prefill_chunk_size,
-        kv_cache_tokens=context,
         msa_dense_window=msa_dense_window,
+        **({} if sized else {"kv_cache_tokens": context}),
+        **pool,
     )
     return LLMEngine(model, tokenizer, config, getattr(model, "generation_config", {}))
 

@@ -41,11 +41,19 @@ class LLM:
         model: str | Path,
         device: torch.device | str | None = None,
         dtype: torch.dtype | str | None = None,
+        load_format: str = "auto",
+        skip_tokenizer_init: bool = False,
         **engine_kwargs: Any,
     ):
         import m3lm
 
-        self.model, self.tokenizer = m3lm.load(model, device=device, dtype=dtype)
+        self.model, self.tokenizer = m3lm.load(
+            model,
+            device=device,
+            dtype=dtype,
+            load_format=load_format,
+            skip_tokenizer_init=skip_tokenizer_init,
+        )
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**engine_kwargs))
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -27,7 +27,7 @@ from m3lm.config import ModelArgs
 from m3lm.distributed.parallel import SINGLE, ParallelConfig
 from m3lm.distributed.shard import localize, mxfp8_split_errors, param_shard
 from m3lm.errors import CheckpointError
-from m3lm.kernels.fp8 import MX_BLOCK
+from m3lm.kernels.fp8 import MX_BLOCK, quantize_mxfp8
 from m3lm.layers.linear import weight_bytes
 from m3lm.models.minimax_m3 import MiniMaxM3, Piece, release_name, remap_key
 from m3lm.weight_copy import write_piece, write_slice
@@ -38,6 +38,7 @@ SCALE_SUFFIX = "_scale_inv"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
 QUANT_MODES = ("auto", "mxfp8", "none")
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone
 FP32_PARAMS = ("block_sparse_moe.gate.weight", "block_sparse_moe.e_score_correction_bias")
 # safetensors dtypes a plain weight may have; integers would be cast to floats and load as garbage.
 FLOAT_DTYPES = ("F16", "BF16", "F32")
@@ -286,6 +287,39 @@ def stream_weights(
                 raise CheckpointError(f"{file}: cannot read tensor data ({e})") from None
 
 
+@torch.no_grad()
+def random_weights_(model: MiniMaxM3, seed: int = 0) -> MiniMaxM3:
+    """Fill every parameter in place with seeded normal noise at a scale that keeps activations
+    finite: std 0.1 for vectors (norms, biases), 0.02 for matrices, the router bias 100x smaller.
+    8-bit weights are drawn in bf16 and quantised (the release's scheme) a block of rows at a
+    time, so the model has the layout of a loaded MXFP8 one. Deterministic on a given device."""
+    params = dict(model.named_parameters())
+    scales = scale_params(params)
+    gen = None
+    for name, p in params.items():
+        if name in scales:
+            continue  # written with its weight
+        if gen is None:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+        std = 0.1 if p.dim() == 1 else 0.02
+        if p.dtype == torch.float8_e4m3fn:
+            _random_mxfp8_(p, params[name + "_scale"], std, gen)
+        else:
+            p.normal_(0.0, std, generator=gen)
+        if name.endswith("e_score_correction_bias"):
+            p.mul_(0.01)
+    return model
+
+
+def _random_mxfp8_(q: torch.Tensor, scale: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """q [..., In] e4m3 and scale [..., In/32] E8M0 = quantised normal(0, std) bf16 noise."""
+    q2, s2 = q.view(-1, q.shape[-1]), scale.view(-1, scale.shape[-1])
+    step = max(1, (64 << 20) // (q.shape[-1] * 4))  # rows per draw: about 64 MiB of fp32 at a time
+    for i in range(0, q2.shape[0], step):
+        w = torch.empty(q2[i : i + step].shape, dtype=torch.bfloat16, device=q.device)
+        q2[i : i + step], s2[i : i + step] = quantize_mxfp8(w.normal_(0.0, std, generator=gen))
+
+
 def load_model(
     path: str | Path,
     device: torch.device | str | None = None,
@@ -293,16 +327,23 @@ def load_model(
     progress: Callable[[int, int], None] | None = None,
     quant: str | None = "auto",
     parallel: ParallelConfig = SINGLE,
+    load_format: str = "auto",
 ) -> MiniMaxM3:
     """Read config.json and the weights of a local checkpoint directory into a MiniMaxM3
     (this rank's shard of it under tensor parallelism).
 
     `quant` (see `resolve_quant`): by default an MXFP8 checkpoint stays 8-bit on a GPU, on one GPU
     or as each tensor-parallel rank's 8-bit shard (dequantised instead, with a warning, when the
-    split would cut a 32-block of inputs; quant="mxfp8" refuses such a split)."""
+    split would cut a 32-block of inputs; quant="mxfp8" refuses such a split).
+    `load_format="dummy"`: no safetensors are read; the weights are `random_weights_` (seed 0)
+    made on the device, in the layout `quant` gives (8-bit where an MXFP8 config is kept so)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format = {load_format!r} is not supported (expected one of {list(LOAD_FORMATS)})"
+        )
     path = check_dir(path)
     args = ModelArgs.from_file(path / "config.json")
-    files = weight_files(path)
+    files = weight_files(path) if load_format == "auto" else []
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     auto = (quant or "auto") == "auto"
@@ -315,12 +356,15 @@ def load_model(
     with torch.device("meta"):
         model = MiniMaxM3(args, dtype=dt, quant=quant)
         local = MiniMaxM3(args, dtype=dt, quant=quant, parallel=parallel) if parallel.world > 1 else model
-    sources = plan(files, args, model)  # a bad checkpoint fails here, before anything is allocated
-    shards = None
-    if parallel.world > 1:  # the full model's parameters (8-bit scales included) -> this rank's slice
-        shards = {n: param_shard(n, tuple(p.shape), args, parallel) for n, p in model.named_parameters()}
-    model = local.to_empty(device=dev)
-    stream_weights(model, sources, progress, shards)
+    if load_format == "dummy":
+        model = random_weights_(local.to_empty(device=dev))
+    else:
+        sources = plan(files, args, model)  # a bad checkpoint fails here, before anything is allocated
+        shards = None
+        if parallel.world > 1:  # the full model's parameters (8-bit scales included) -> this rank's slice
+            shards = {n: param_shard(n, tuple(p.shape), args, parallel) for n, p in model.named_parameters()}
+        model = local.to_empty(device=dev)
+        stream_weights(model, sources, progress, shards)
     sizes = weight_bytes(model)
     log.info(
         "resident weights: %.3f GB (%s)",

@@ -162,7 +162,7 @@ class AsyncEngine:
         self.max_queue, self.cpu_threads = max_queue, cpu_threads
         self.metrics = None  # server.metrics.Metrics, set by the server
         self.on_dead: Callable[[str], None] | None = None
-        self.info: m.EngineInfo | None = None
+        self.info: m.ReadyInfo | None = None
         self.error: str | None = None
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()

@@ -8,6 +8,7 @@ in the runner and the sampler; the scheduler and block manager are pure Python.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,14 +16,47 @@ import torch
 
 from m3lm.cache.block_manager import BlockManager
 from m3lm.cache.kv_cache import KVCache
+from m3lm.cache.pool import PoolPlan, graph_reserve, plan_pool
 from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams
 from m3lm.distributed import steps
+from m3lm.engine.memory import peak_activation_bytes, profile_batches
 from m3lm.engine.runner import ModelRunner
 from m3lm.engine.sequence import Sequence, TokenLogprob
+from m3lm.errors import ConfigError
+from m3lm.layers.linear import weight_bytes
 from m3lm.models.minimax_m3 import MiniMaxM3
 from m3lm.sampler import Sampler, make_generator
 from m3lm.scheduler import Scheduler
+
+log = logging.getLogger("m3lm.engine")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine runs with, as the startup log states it."""
+
+    device: str
+    dtype: str
+    weight_bytes: int
+    pool_tokens: int  # the KV pool's capacity in positions
+    pool_bytes: int
+    pool_source: str  # what sized it: gpu_memory_utilization, kv_cache_memory, kv_cache_tokens, cpu default
+    max_model_len: int
+    max_concurrency: float  # sequences of max_model_len the pool holds at once
+    peak_activation_bytes: int | None  # measured on a GPU when the pool is sized from its memory
+    budget_bytes: int | None = None  # what the GPU's memory left for the pool, if it sized it
+
+    def summary(self) -> str:
+        peak, budget = self.peak_activation_bytes, self.budget_bytes
+        of = f" of a {budget / GIB:.2f} GiB budget" if budget else ""
+        return (
+            f"engine on {self.device} ({self.dtype}): weights {self.weight_bytes / GIB:.2f} GiB, "
+            f"peak activation {'-' if peak is None else f'{peak / GIB:.2f} GiB'}; KV pool "
+            f"{self.pool_tokens:,} tokens in {self.pool_bytes / GIB:.2f} GiB{of} (from {self.pool_source}), "
+            f"{self.max_concurrency:.2f} concurrent sequences of max_model_len {self.max_model_len:,}"
+        )
 
 
 @dataclass
@@ -78,23 +112,16 @@ class LLMEngine:
         weight = model.lm_head.weight
         self.device = weight.device
         parallel = model.parallel
+        # Decode graphs are single-process only: collectives are not captured into them.
+        use_graphs = (
+            parallel.world == 1
+            and self.device.type == "cuda"
+            and config.cuda_graphs
+            and config.msa_dense_window is None
+        )
+        pool = self._plan_pool(use_graphs)
+        self.max_model_len, num_pages, page = pool.max_model_len, pool.pages, args.index_block_size
         kv_heads = model.model.layers[0].self_attn.n_kv  # this rank's, under tensor parallelism
-        per_page = KVCache.bytes_per_page(args, weight.dtype, config.index_cache_fp8, kv_heads)
-        page = args.index_block_size
-        max_pos = args.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or max_pos, max_pos)
-        capacity = config.kv_cache_tokens
-        if capacity is None:
-            by_bytes = max(1, config.kv_cache_bytes // per_page) * page
-            capacity = min(config.max_num_seqs * self.max_model_len, by_bytes)
-        if config.max_model_len is None:
-            self.max_model_len = min(self.max_model_len, capacity)
-        if capacity < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens, fewer than max_model_len = {self.max_model_len}; "
-                "lower max_model_len or give the cache more memory"
-            )
-        num_pages = -(-capacity // page)
         # One spare page beyond the block manager's: padding rows of graph-captured steps write there.
         self.cache = KVCache(args, num_pages + 1, self.device, weight.dtype, config.index_cache_fp8, kv_heads)
         steps.send(
@@ -103,9 +130,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_pages, page, config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         graphs = None
-        # Decode graphs are single-process only: collectives are not captured into them.
-        single = parallel.world == 1
-        if single and self.device.type == "cuda" and config.cuda_graphs and config.msa_dense_window is None:
+        if use_graphs:
             from m3lm.engine.cuda_graphs import DecodeGraphs
 
             max_pages = -(-self.max_model_len // page)
@@ -115,6 +140,66 @@ class LLMEngine:
         self.eos_ids = eos_ids_of(tokenizer, self.generation_config, eos_ids)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        log.info("%s", self.info.summary())
+
+    def _plan_pool(self, use_graphs: bool) -> PoolPlan:
+        """Size the KV pool (`plan_pool`); on a GPU sized from its memory, after measuring the
+        peak activation of the largest step. Sets `self.info`."""
+        model, config = self.model, self.config
+        args, weight = model.args, model.lm_head.weight
+        kv_heads = model.model.layers[0].self_attn.n_kv
+        max_pos = args.max_position_embeddings
+        explicit = config.kv_cache_tokens is not None or config.kv_cache_memory is not None
+        figures, peak = {}, None
+        if self.device.type == "cuda" and not explicit:
+            longest = min(config.max_model_len or max_pos, max_pos)
+            batches = profile_batches(config.max_num_batched_tokens, config.max_num_seqs, longest)
+            peak = peak_activation_bytes(model, batches, config.index_cache_fp8, config.msa_dense_window)
+            reserve = graph_reserve(min(config.max_num_seqs, 256), args.vocab_size) if use_graphs else 0
+            figures = {
+                "total_bytes": torch.cuda.get_device_properties(self.device).total_memory,
+                "utilization": config.gpu_memory_utilization,
+                "weight_bytes": torch.cuda.memory_allocated(self.device),
+                "peak_activation_bytes": peak,
+                "reserve_bytes": reserve,
+            }
+        plan = plan_pool(
+            bytes_per_page=KVCache.bytes_per_page(args, weight.dtype, config.index_cache_fp8, kv_heads),
+            page_size=args.index_block_size,
+            max_positions=max_pos,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            explicit_tokens=config.kv_cache_tokens,
+            explicit_bytes=config.kv_cache_memory,
+            **figures,
+        )
+        need = plan.bytes // plan.pages * (plan.pages + 1)  # and the spare page
+        if self.device.type == "cuda" and need > (free := _free_bytes(self.device)):
+            raise ConfigError(
+                f"the KV cache needs {need / GIB:.2f} GiB but the GPU has {free / GIB:.2f} GiB free "
+                "(another process, or another engine in this one?); lower --gpu-memory-utilization "
+                "or set --kv-cache-memory"
+            )
+        if config.max_model_len is None and plan.max_model_len < max_pos:
+            log.info(
+                "max_model_len = %d: what the KV pool holds (the model allows %d; set --max-model-len "
+                "and the pool's size to change it)",
+                plan.max_model_len,
+                max_pos,
+            )
+        self.info = EngineInfo(
+            device=str(self.device),
+            dtype=str(weight.dtype).removeprefix("torch."),
+            weight_bytes=sum(weight_bytes(model).values()),
+            pool_tokens=plan.tokens,
+            pool_bytes=plan.bytes,
+            pool_source=plan.source,
+            max_model_len=plan.max_model_len,
+            max_concurrency=plan.max_concurrency,
+            peak_activation_bytes=peak,
+            budget_bytes=plan.budget_bytes,
+        )
+        return plan
 
     def default_params(self, **overrides) -> SamplingParams:
         return SamplingParams.from_generation_config(self.generation_config, **overrides)
@@ -239,6 +324,12 @@ def validate_request(
     bad = next((t for t, _ in params.logit_bias if t >= vocab), None) if params else None
     if bad is not None:
         raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Memory the pool can still take: free on the device plus what torch holds unused."""
+    held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + held
 
 
 def _logprobs(out, ready: list[Sequence], token_ids: list[int]) -> list[TokenLogprob | None]:

@@ -24,16 +24,17 @@ log = logging.getLogger("m3lm.engine")
 IDLE_POLL_MS = 100  # how long an idle loop sleeps before checking on its parent
 
 
-def engine_info(engine: LLMEngine, warmup_s: float = 0.0) -> m.EngineInfo:
-    return m.EngineInfo(
+def engine_info(engine: LLMEngine, warmup_s: float = 0.0) -> m.ReadyInfo:
+    return m.ReadyInfo(
         max_model_len=engine.max_model_len,
         vocab_size=engine.model.args.vocab_size,
         max_num_seqs=engine.config.max_num_seqs,
         generation_config=dict(engine.generation_config or {}),
         eos_ids=sorted(engine.eos_ids),
-        kv_tokens=engine.blocks.num_pages * engine.blocks.page_size,
+        kv_tokens=engine.info.pool_tokens,
         device=str(engine.device),
         warmup_s=warmup_s,
+        summary=engine.info.summary(),
     )
 
 
@@ -159,7 +160,6 @@ def build_engine(spec: EngineSpec):
     from m3lm.config import EngineConfig
 
     group = None
-    load_kwargs = {} if spec.load_format == "auto" else {"load_format": spec.load_format}
     if spec.tensor_parallel_size > 1:
         from m3lm.distributed.launch import launch
 
@@ -174,7 +174,14 @@ def build_engine(spec: EngineSpec):
     else:
         import m3lm
 
-        model, _ = m3lm.load(spec.model_dir, spec.device, spec.dtype, quant=spec.quant, **load_kwargs)
+        model, _ = m3lm.load(
+            spec.model_dir,
+            spec.device,
+            spec.dtype,
+            quant=spec.quant,
+            load_format=spec.load_format,
+            skip_tokenizer_init=True,
+        )
     try:
         engine = LLMEngine(model, None, EngineConfig(**spec.engine_kwargs), eos_ids=spec.eos_ids)
     except BaseException:

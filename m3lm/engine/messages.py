@@ -12,7 +12,7 @@ import msgspec
 from m3lm.core import SamplingParams
 
 
-class EngineInfo(msgspec.Struct, frozen=True):
+class ReadyInfo(msgspec.Struct, frozen=True):
     """What the server needs to know of the engine to validate and admit requests."""
 
     max_model_len: int
@@ -23,6 +23,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     kv_tokens: int  # the KV pool's capacity in positions
     device: str = "cpu"
     warmup_s: float = 0.0
+    summary: str = ""  # the engine's startup line: device, dtype, weights, pool
 
 
 class Add(msgspec.Struct, tag=True, array_like=True):
@@ -40,7 +41,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
-    info: EngineInfo
+    info: ReadyInfo
 
 
 class Failed(msgspec.Struct, tag=True, array_like=True):

@@ -259,6 +259,7 @@ def serve(
     This process serves HTTP, tokenizes and detokenizes; the engine process schedules and runs
     the model (and, under tensor parallelism, drives the other ranks). Under torchrun rank 0 is
     the engine already, so its loop runs on a thread here and the other ranks follow.
+    `load_format` and `skip_tokenizer_init` as in `m3lm.load`; `engine_kwargs`: EngineConfig fields.
     """
     from m3lm.config import EngineConfig
     from m3lm.distributed.launch import launch, under_torchrun
@@ -270,7 +271,11 @@ def serve(
     limits = limits or Limits()
     name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
     args = (name, host, port, grace_s, limits, api_key, cache_salt_by_api_key)
+    if load_format != "auto" and (tensor_parallel_size > 1 or under_torchrun()):
+        raise ValueError("--load-format dummy needs --tensor-parallel-size 1")
     if under_torchrun():
+        if skip_tokenizer_init:
+            raise ValueError("--skip-tokenizer-init is not supported under torchrun")
         loaded = launch(model_dir, tensor_parallel_size, expert_parallel, device, dtype, quant=quant)
         if loaded is None:  # a follower rank: rank 0 has stopped
             return
@@ -303,14 +308,7 @@ def _serve(engine: AsyncEngine, tokenizer, name, host, port, grace_s, limits, ap
     engine.start()
     try:
         app = create_server_app(engine, tokenizer, name, api_key, limits, salt_by_key)
-        info = engine.info
-        log.info(
-            "engine ready on %s: context %d tokens, KV pool %d tokens, up to %d running requests",
-            info.device,
-            info.max_model_len,
-            info.kv_tokens,
-            info.max_num_seqs,
-        )
+        log.info("%s; warm-up %.1f s", engine.info.summary, engine.info.warmup_s)
         log.info("serving %s on http://%s:%d", name, host, port)
         # Streams still open when the drain ends get their error event; the rest of the grace is for that.
         config = server_config(app, limits, grace_s=5.0, host=host, port=port, log_level="info")
