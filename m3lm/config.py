@@ -413,6 +413,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs
     index_cache_fp8: bool = False
     prefix_caching: bool = True  # a prompt starts on the cached pages of its longest known prefix
+    warmup: bool = True  # compile every kernel variant and capture every graph at start (engine/warmup.py)
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_tokens"):
