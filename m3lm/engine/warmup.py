@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from m3lm.core import SamplingParams
 from m3lm.engine.sequence import Sequence
@@ -142,8 +143,6 @@ def warm_up(engine, progress: bool = True) -> WarmupReport:
     no-op report on the CPU."""
     if engine.device.type != "cuda":
         return WarmupReport()
-    from tqdm import tqdm
-
     cfg, args = engine.config, engine.model.args
     plan = warmup_plan(
         cfg.max_num_batched_tokens,
