@@ -164,6 +164,18 @@ def test_no_compiled_variants_on_the_cpu():
     assert c.new == 0 and c.kernels == {}
 
 
+def test_variants_are_read_from_each_kernels_device_caches():
+    from m3lm.kernels import compiles
+
+    fn = fused._rms_norm_kernel
+    assert isinstance(fn.device_caches, dict) and not fn.device_caches  # nothing launched on the CPU
+    fake = type("Fake", (), {"device_caches": {0: ({"a": 1, "b": 2}, {}, None, None, None), 1: ({"c": 3},)}})
+    assert compiles._variants(fake()) == 3
+    names = {name for name, _ in compiles._jit_functions()}
+    assert "m3lm.kernels.fused._rms_norm_kernel" in names
+    assert "m3lm.kernels.moe_fp8_triton.dequant_tile" not in names  # imported, counted where defined
+
+
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     s = Spec()
