@@ -405,7 +405,8 @@ class EngineConfig:
     the bytes); it rounds the index scores, so it may change block selections: off by default.
     `prefix_caching`: a new prompt starts on the cache pages that already hold its longest prefix
     of whole pages (`BlockManager.match`); pages of finished requests stay cached until their
-    room is needed.
+    room is needed. `warmup`: whether a serving engine runs `engine.warmup.warm_up` before its first
+    request (every kernel variant a step can need compiled, every decode graph captured).
     """
 
     max_num_seqs: int = 64
@@ -418,6 +419,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs
     index_cache_fp8: bool = False
     prefix_caching: bool = True  # a prompt starts on the cached pages of its longest known prefix
+    warmup: bool = True  # compile kernels and capture graphs before serving
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_tokens"):

@@ -9,6 +9,8 @@ never hands out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from m3lm.cache.kv_cache import KVCache
@@ -46,6 +48,16 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._step(b)
         self._graphs[b] = (graph, out)
+
+    def capture_all(self, each: Callable[[int], None] | None = None) -> list[int]:
+        """Capture every bucket not captured yet (the warm-up does, so that no request waits for a
+        capture), calling each(b) after bucket b; returns the buckets captured now."""
+        new = [b for b in self.buckets if b not in self._graphs]
+        for b in new:
+            self.capture(b)
+            if each is not None:
+                each(b)
+        return new
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

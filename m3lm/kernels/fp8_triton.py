@@ -134,7 +134,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _mxfp8_gemv_kernel(
     x_ptr, q_ptr, s_ptr, y_ptr,
     T, N, KDIM, s_xt, s_qo, s_so, s_yt, alpha, limit,
@@ -179,7 +179,7 @@ def _mxfp8_gemv_kernel(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & (offs_t[None, :] < T))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _mxfp8_matmul_kernel(
     x_ptr, q_ptr, s_ptr, y_ptr,
     T, N, KDIM, s_xt, s_qo, s_so, s_yt, alpha, limit,

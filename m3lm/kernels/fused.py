@@ -115,7 +115,7 @@ def _norm_rope_rows(
     return tl.where(rot[None, :], out, y)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _norm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, heads, s_xt, s_xh, eps,
     D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr,
@@ -155,7 +155,7 @@ def norm_rope(
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _decode_heads_kernel(
     y_ptr, qw_ptr, kw_ptr, iqw_ptr, ikw_ptr, cos_ptr, sin_ptr, q_ptr, iq_ptr, kc_ptr, vc_ptr, ikc_ptr,
     pages_ptr, slots_ptr, n_rows, s_yt, s_kp, s_ks, s_ip, s_is, eps,
@@ -390,8 +390,8 @@ def _swiglu_kernel(g_ptr, u_ptr, y_ptr, numel, width, stride, alpha, limit, BLOC
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     y = torch.empty_like(gate)
-    n = gate.numel()
-    _swiglu_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, max(n, 1), 0, alpha, limit, BLOCK=1024)
+    n, width = gate.numel(), max(gate.shape[-1], 1)  # rows of the fixed width: no per-batch int but numel
+    _swiglu_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, width, width, alpha, limit, BLOCK=1024)
     return y
 
 

@@ -75,7 +75,7 @@ def _acc_dot(acc, a, w, SWAP: tl.constexpr, PREC: tl.constexpr):
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _moe_fp8_gate_up_kernel(
     a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, sorted_ptr, expert_ptr, used_ptr,
     M, TOP_K, alpha, limit,
@@ -106,7 +106,7 @@ def _moe_fp8_gate_up_kernel(
     tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _moe_fp8_gemm_kernel(
     a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, scale_ptr,
     M, TOP_K,
@@ -135,7 +135,7 @@ def _moe_fp8_gemm_kernel(
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _pair_gemv_kernel(
     a_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, y_ptr, scale_ptr, v1_ptr, r1_ptr, v3_ptr, r3_ptr,
     M, TOP_K, alpha, limit, s_am, s_we, s_wn, s_se, s_sn, s_ym,

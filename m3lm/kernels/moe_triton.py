@@ -59,7 +59,7 @@ def _slots(m: int, n_experts: int, block_m: int) -> int:
     return -(-(m + n_experts * (block_m - 1)) // block_m) * block_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "EM"])
 def _align_kernel(
     ids_ptr, sorted_ptr, expert_ptr, used_ptr, ends_ptr, M, EM,
     E: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr, EMP: tl.constexpr, NBP: tl.constexpr, BM: tl.constexpr,
@@ -102,10 +102,18 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> Aligned:
     ends = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
     _align_kernel[(1,)](
         ids.flatten().contiguous(), sorted_ids, block_expert, used, ends, m, em,
-        E=n_experts, EP=triton.next_power_of_2(n_experts), MP=max(16, triton.next_power_of_2(m)),
-        EMP=triton.next_power_of_2(em), NBP=triton.next_power_of_2(em // block_m), BM=block_m,
+        E=n_experts, EP=triton.next_power_of_2(n_experts), **align_extents(m, n_experts, block_m), BM=block_m,
     )  # fmt: skip
     return Aligned(sorted_ids, block_expert, used, ends)
+
+
+def align_extents(m: int, n_experts: int, block_m: int) -> dict[str, int]:
+    """`_align_kernel`'s tile extents for M pairs: pairs MP, slots EMP, blocks NBP, all from the
+    power-of-two bucket MP of M (slots and blocks past EM are masked), so one compile serves every
+    M of a bucket."""
+    mp = max(16, triton.next_power_of_2(m))
+    em = _slots(mp, n_experts, block_m)
+    return dict(MP=mp, EMP=triton.next_power_of_2(em), NBP=triton.next_power_of_2(em // block_m))
 
 
 @triton.jit
@@ -337,7 +345,7 @@ def _gemm_merged(
     tl.store(out_t, acc_t.to(c_ptr.dtype.element_ty), mask=t_valid[None, :] & n_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, ends_ptr, scale_ptr,
     M, TOP_K,
@@ -447,7 +455,7 @@ def _gate_up_merged(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _moe_gate_up_kernel(
     a_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, used_ptr, ends_ptr,
     M, TOP_K, alpha, limit,

@@ -89,7 +89,7 @@ def _attend_block(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_pos", "t_len", "tk", "s_rk", "s_wk", "s_bk", "s_ck"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, order_ptr, bits_ptr, blocks_ptr, count_ptr, out_ptr,
     first_pos, t_len, tk, qk_scale,
@@ -263,7 +263,7 @@ def _score_block(
     tl.store(out_ptrs + j, tl.max(s, axis=1), mask=row_ok & (j < count))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_pos", "t_len", "tk", "s_oh", "s_ot"])
 def _index_scores_kernel(
     iq_ptr, ik_ptr, out_ptr, first_pos, t_len, tk,
     s_iqt, s_iqh, s_ikt, s_oh, s_ot,
@@ -333,7 +333,7 @@ def index_block_scores(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_pos", "t_len", "n_blocks", "s_sk", "s_st", "s_ok"])
 def _select_kernel(
     scores_ptr, out_ptr, first_pos, t_len, n_blocks, local, init, s_sk, s_st, s_ok, s_ot,
     S: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,

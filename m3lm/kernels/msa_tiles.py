@@ -41,7 +41,7 @@ def _popcount(x):
     return ((x * 0x0101010101010101) >> 56) & 0xFF
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t_len", "s_sk", "s_mk", "s_ok"])
 def _group_queries_kernel(
     sel_ptr, mask_ptr, order_ptr, t_len, s_sk, s_st, s_mk, s_ok,
     W: tl.constexpr, BQ: tl.constexpr, TOPK: tl.constexpr,
@@ -124,7 +124,7 @@ def group_queries_ref(block_ids: torch.Tensor, bq: int) -> torch.Tensor:
     return order
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t_len", "n_blocks", "s_sk", "s_ok", "s_bk", "s_ck", "s_wk"])
 def _tile_blocks_kernel(
     sel_ptr, order_ptr, blocks_ptr, count_ptr, bits_ptr, t_len, n_blocks, s_sk, s_st, s_ok, s_bk, s_bt,
     s_ck, s_wk, s_wt, BQ: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, CH: tl.constexpr,
@@ -175,14 +175,23 @@ def tile_blocks(
     count = torch.empty(kh, nt, device=sel.device, dtype=torch.int32)
     w = -(-bq * k // 64)
     bits = torch.empty(kh, nt, bq, w, device=sel.device, dtype=torch.int64)
-    ch = min(256, pad(n_blocks))
+    ch, n_chunks = chunking(n_blocks)
     _tile_blocks_kernel[(nt, kh)](
         sel, sel if order is None else order, blocks, count, bits, t, n_blocks, sel.stride(0), sel.stride(1),
         0 if order is None else order.stride(0), blocks.stride(0), blocks.stride(1), count.stride(0),
-        bits.stride(0), bits.stride(1), BQ=bq, TOPK=k, KP=pad(k), CH=ch, N_CHUNKS=triton.cdiv(n_blocks, ch), W=w,
+        bits.stride(0), bits.stride(1), BQ=bq, TOPK=k, KP=pad(k), CH=ch, N_CHUNKS=n_chunks, W=w,
         ORDERED=order is not None,
     )  # fmt: skip
     return blocks, count, bits
+
+
+def chunking(n_blocks: int) -> tuple[int, int]:
+    """(CH, N_CHUNKS) of `_tile_blocks_kernel`: block ids a step, and steps. Both come from
+    `pad(n_blocks)`, so one compile serves a whole power-of-two bucket of sequence lengths; the
+    steps past n_blocks match no selected block and store nothing."""
+    p = pad(n_blocks)
+    ch = min(256, p)
+    return ch, p // ch
 
 
 def tile_blocks_ref(
