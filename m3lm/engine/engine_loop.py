@@ -234,5 +234,10 @@ def run_engine_process(spec: EngineSpec, in_addr: str, out_addr: str, parent_pid
 
 
 def warm_up(engine: LLMEngine) -> float:
-    """Compile and capture what serving will run, before the first request; returns seconds."""
-    return 0.0
+    """Compile every kernel variant and capture every graph serving can need (GPU only, and
+    unless `EngineConfig.warmup` is off); returns its seconds."""
+    if not engine.config.warmup:
+        return 0.0
+    from m3lm.engine.warmup import warm_up as run
+
+    return run(engine, progress=True).seconds
