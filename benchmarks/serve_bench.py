@@ -144,7 +144,11 @@ async def request(client: httpx.AsyncClient, url: str, body: dict, chat: bool) -
                 if not chunk.get("choices"):
                     continue
                 choice = chunk["choices"][0]
-                delta = choice.get("delta", {}) if chat else {"text": choice.get("text")}
+                delta = (
+                    choice.get("delta", {})
+                    if chat
+                    else {"text": choice.get("text"), "ids": choice.get("token_ids")}
+                )
                 if not any(v for k, v in delta.items() if k != "role"):
                     continue  # the chat role chunk and the empty finishing chunk carry no token
                 now = time.perf_counter()
@@ -240,25 +244,134 @@ def scrape(client: httpx.Client) -> dict[str, float]:
     return totals
 
 
-def make_bodies(client: httpx.Client, model: str, a: argparse.Namespace) -> list[dict]:
+def length(spec: str, rng: random.Random) -> int:
+    """A length from "N" or a range "LO-HI" (uniform)."""
+    lo, _, hi = spec.partition("-")
+    return rng.randint(int(lo), int(hi or lo))
+
+
+def make_prompts(client: httpx.Client, a: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    """Token-id prompts and output lengths, from the ids /tokenize gives for random ASCII text, or
+    uniform in [0, --vocab) when the server has no tokenizer."""
     rng = random.Random(a.seed)
-    text = "".join(rng.choice(string.ascii_letters + string.digits + " .,") for _ in range(4000))
-    pool = sorted(set(client.post("/tokenize", json={"prompt": text}).raise_for_status().json()["tokens"]))
-    prompts = [[rng.choice(pool) for _ in range(a.input_len)] for _ in range(a.num_requests)]
+    if a.vocab:
+        pool = range(a.vocab)
+    else:
+        text = "".join(rng.choice(string.ascii_letters + string.digits + " .,") for _ in range(4000))
+        pool = sorted(
+            set(client.post("/tokenize", json={"prompt": text}).raise_for_status().json()["tokens"])
+        )
+    prompts, outputs = [], []
+    for _ in range(a.num_requests):
+        prompts.append([rng.choice(pool) for _ in range(length(a.input_len, rng))])
+        outputs.append(length(a.output_len, rng))
+    return prompts, outputs
+
+
+def make_bodies(client: httpx.Client, model: str, a: argparse.Namespace, prompts, outputs) -> list[dict]:
     common = {
         "model": model,
-        "max_tokens": a.output_len,
         "ignore_eos": True,
         "temperature": a.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     if a.endpoint == "completions":
-        return [{"prompt": p, **common} for p in prompts]
+        return [{"prompt": p, "max_tokens": n, **common} for p, n in zip(prompts, outputs, strict=True)]
     texts = [
         client.post("/detokenize", json={"tokens": p}).raise_for_status().json()["prompt"] for p in prompts
     ]
-    return [{"messages": [{"role": "user", "content": t}], **common} for t in texts]
+    return [
+        {"messages": [{"role": "user", "content": t}], "max_tokens": n, **common}
+        for t, n in zip(texts, outputs, strict=True)
+    ]
+
+
+OFFLINE = """
+import json, sys, time
+from m3lm.core import SamplingParams
+from m3lm.llm import LLM
+spec = json.load(sys.stdin)
+llm = LLM(spec["model"], **spec["load"], **spec["engine"])
+params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=spec["temperature"]) for n in spec["outputs"]]
+llm.generate(spec["prompts"], params)  # compiles what the timed run needs
+t = time.perf_counter()
+outs = llm.generate(spec["prompts"], params)
+seconds = time.perf_counter() - t
+tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+print(json.dumps({"seconds": seconds, "tokens": tokens}))
+"""
+
+KERNEL = """
+import json, sys
+from m3lm.bench import bench_decode, build_slice
+spec = json.load(sys.stdin)
+model = build_slice(spec["layers"])
+print(json.dumps({c: bench_decode(model, b, ctx, 50).ms for c, (b, ctx) in spec["cases"].items()}))
+"""
+
+
+def child_json(code: str, spec: dict, timeout: float) -> dict:
+    """Run `code` in a fresh Python process with `spec` on stdin; its last stdout line as JSON."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(spec), capture_output=True, text=True, env=env,
+        timeout=timeout, cwd=REPO, check=False,
+    )  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"the comparison run failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def server_options(args: list[str]) -> tuple[dict, dict]:
+    """(load options, engine options) of the `m3lm serve` arguments that the offline run shares."""
+    load, engine = {}, {}
+    it = iter(args)
+    for x in it:
+        key = x.lstrip("-").replace("-", "_")
+        if x == "--skip-tokenizer-init":
+            load["skip_tokenizer_init"] = True
+        elif key in ("load_format", "dtype", "device"):
+            load[key] = next(it)
+        elif key in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+            engine[key] = int(next(it))
+    return load, engine
+
+
+def comparisons(a: argparse.Namespace, levels: list[int], rows: list[dict[str, str]]) -> str:
+    """The offline engine and the kernel decode step, each against the HTTP figures."""
+    lines = []
+    if a.offline and a.model:
+        load, engine = server_options(shlex.split(a.server_args))
+        engine.setdefault("max_num_seqs", 64)
+        spec = {"model": str(Path(a.model).resolve()), "load": load, "engine": engine,
+                "prompts": a.prompts, "outputs": a.outputs, "temperature": a.temperature}  # fmt: skip
+        off = child_json(OFFLINE, spec, a.timeout)
+        rate = off["tokens"] / off["seconds"]
+        lines += [
+            "",
+            "| offline LLM.generate (same prompts, second run) | tok/s | HTTP / offline |",
+            "|---|---:|---:|",
+        ]
+        for c, r in zip(levels, rows, strict=True):
+            http = float(r["output token throughput (tok/s)"])
+            lines.append(f"| HTTP concurrency {c}: {http:.1f} tok/s | {rate:.1f} | {http / rate:.2f}x |")
+    if a.kernel_decode:
+        cases = {}
+        for case in a.kernel_decode.split(","):
+            b, ctx = (int(x) for x in case.lower().split("x"))
+            cases[case] = (b, ctx)
+        ms = child_json(KERNEL, {"layers": a.layers, "cases": cases}, a.timeout)
+        lines += ["", "| kernel decode step (m3lm bench) | ms | HTTP median TPOT (concurrency = B) | ratio |",
+                  "|---|---:|---:|---:|"]  # fmt: skip
+        for case, (b, _) in cases.items():
+            if b in levels:
+                tpot = float(rows[levels.index(b)]["TPOT mean / median / p99 (ms)"].split(" / ")[1])
+                lines.append(f"| {case} | {ms[case]:.3f} | {tpot:.3f} | {tpot / ms[case]:.2f}x |")
+    return "\n".join(lines)
 
 
 def table(levels: list[int], rows: list[dict[str, str]]) -> str:
@@ -272,7 +385,9 @@ async def bench(a: argparse.Namespace, url: str, deadline: float) -> list[dict[s
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     sync = httpx.Client(base_url=url, headers=headers, timeout=60, trust_env=False)
     model = sync.get("/v1/models").raise_for_status().json()["data"][0]["id"]
-    bodies = make_bodies(sync, model, a)
+    prompts, outputs = make_prompts(sync, a)
+    a.prompts, a.outputs = prompts, outputs  # for the offline comparison
+    bodies = make_bodies(sync, model, a, prompts, outputs)
     chat = a.endpoint == "chat"
     path = url + ("/v1/chat/completions" if chat else "/v1/completions")
     limits = httpx.Limits(max_connections=max(a.concurrency), max_keepalive_connections=max(a.concurrency))
@@ -309,8 +424,21 @@ def main() -> None:
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1], help="one run per value")
     ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--input-len", type=int, default=64, help="prompt length in tokens")
-    ap.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
+    ap.add_argument("--input-len", default="64", help="prompt tokens: N, or LO-HI drawn per request")
+    ap.add_argument("--output-len", default="32", help="generated tokens: N, or LO-HI drawn per request")
+    ap.add_argument("--vocab", type=int, default=None, help="random prompt ids below this (no /tokenize)")
+    ap.add_argument(
+        "--offline",
+        action="store_true",
+        help="then, with the server stopped, the offline LLM.generate on the same prompts (--model only)",
+    )
+    ap.add_argument(
+        "--kernel-decode",
+        default="",
+        metavar="BxCTX,...",
+        help="then, with the server stopped, the kernel decode step (m3lm bench) of the release slice",
+    )
+    ap.add_argument("--layers", type=int, default=4, help="the slice's layers for --kernel-decode")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--api-key", default=os.environ.get("M3LM_API_KEY"))
     ap.add_argument("--seed", type=int, default=0)
@@ -319,7 +447,11 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, help="append a dated Markdown section to this file")
     a = ap.parse_args()
-    if min(a.concurrency) < 1 or a.num_requests < 1 or a.input_len < 1 or a.output_len < 1:
+    try:
+        lengths = [length(x, random.Random(0)) for x in (a.input_len, a.output_len)]
+    except ValueError:
+        ap.error("--input-len and --output-len: N or LO-HI")
+    if min(a.concurrency) < 1 or a.num_requests < 1 or min(lengths) < 1:
         ap.error("--concurrency, --num-requests, --input-len and --output-len must be positive")
 
     env = [f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ]
@@ -348,6 +480,7 @@ def main() -> None:
     if not rows:
         sys.exit("no concurrency level finished within --timeout")
     result = table(a.concurrency[: len(rows)], rows)
+    result += comparisons(a, a.concurrency[: len(rows)], rows)
     print(result)
     if a.out:
         shape = " (the user message, before the chat template)" if a.endpoint == "chat" else ""

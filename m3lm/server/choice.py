@@ -22,6 +22,7 @@ class Choice:
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     finish: str | None = None
     stopped_by_string: bool = False
@@ -30,6 +31,7 @@ class Choice:
     def consume(self, out: StepOutput) -> list[dict]:
         """Deltas for one engine output (each delta is one kind only)."""
         self.tokens += len(out.new_token_ids)
+        self.token_ids += out.new_token_ids
         self.cached = out.num_prefix_cached
         if self.parser is None:
             events: list = [ContentDelta(out.new_text)] if out.new_text else []

@@ -230,9 +230,11 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
 async def _respond(state, req, request, streams, choices, prompt_tokens, chat: bool):
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     created = int(time.time())
+    # token ids in the reply: asked for, or the only form of the output when there is no tokenizer
+    ids = not chat and (req.return_token_ids or state.tokenizer is None)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(state, rid, created, streams, choices, prompt_tokens, chat, include_usage, req.n)
+        body = _stream(state, rid, created, streams, choices, prompt_tokens, chat, include_usage, req.n, ids)
         return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     await _collect_unless_gone(request, _collect(state, streams, choices), streams)
     totals = usage(prompt_tokens, choices, req.n)
@@ -260,6 +262,7 @@ async def _respond(state, req, request, streams, choices, prompt_tokens, chat: b
             "text": "".join(c.content),
             "logprobs": completion_logprobs(c),
             "finish_reason": c.finish,
+            **({"token_ids": c.token_ids} if ids else {}),
         }
         for c in choices
     ]
@@ -325,7 +328,7 @@ def _sse(obj: dict) -> str:
 
 
 async def _stream(
-    state, rid, created, streams, choices, prompt_tokens, chat, include_usage, per_prompt
+    state, rid, created, streams, choices, prompt_tokens, chat, include_usage, per_prompt, ids=False
 ) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -358,10 +361,10 @@ async def _stream(
             _check(out)
             lps = token_logprobs(state.tokenizer, out) if out.new_logprobs else []
             deltas = c.consume(out)
-            if lps and not deltas:
+            if (lps or (ids and out.new_token_ids)) and not deltas:
                 deltas = [{}] if chat else [{"content": ""}]
             for j, d in enumerate(deltas):
-                extra = {}
+                extra = {"token_ids": out.new_token_ids} if ids and j == 0 else {}
                 if lps and j == 0:
                     extra["logprobs"] = (
                         {"content": lps} if chat else completion_logprobs(Choice(0, None, logprobs=lps))

@@ -259,6 +259,7 @@ class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
+    return_token_ids: bool = False  # each choice (each chunk, streaming) lists its new token ids
     best_of: int | None = None
     suffix: str | None = None
 
