@@ -257,7 +257,7 @@ def make_prompts(client: httpx.Client, a: argparse.Namespace) -> tuple[list[list
     if a.vocab:
         pool = range(a.vocab)
     else:
-        text = "".join(rng.choice(string.ascii_letters + string.digits + " .,") for _ in range(4000))
+        text = "".join(rng.choice(string.ascii_letters + string.digits + " .,") for _ in range(1000))
         pool = sorted(
             set(client.post("/tokenize", json={"prompt": text}).raise_for_status().json()["tokens"])
         )
@@ -365,7 +365,7 @@ def comparisons(a: argparse.Namespace, levels: list[int], rows: list[dict[str, s
             b, ctx = (int(x) for x in case.lower().split("x"))
             cases[case] = (b, ctx)
         ms = child_json(KERNEL, {"layers": a.layers, "cases": cases}, a.timeout)
-        lines += ["", "| kernel decode step (m3lm bench) | ms | HTTP median TPOT (concurrency = B) | ratio |",
+        lines += ["", "", "| kernel decode step (m3lm bench) | ms | HTTP median TPOT (concurrency = B) | ratio |",
                   "|---|---:|---:|---:|"]  # fmt: skip
         for case, (b, _) in cases.items():
             if b in levels:
