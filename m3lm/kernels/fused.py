@@ -188,7 +188,7 @@ def _decode_heads_kernel(
     act = y_ptr.dtype.element_ty
     out = _norm_rope_rows(x, xp, w, wp, dim, cos_ptr, sin_ptr, t, p_ok, offs, rot, first, eps, act, HALF)
     out = tl.where((seg == 2)[:, None], x, out).to(act)  # v: as projected
-    page = tl.load(pages_ptr + t, mask=row_ok, other=0)
+    page = tl.load(pages_ptr + t, mask=row_ok, other=0).to(tl.int64)  # page x stride passes 2^31
     slot = tl.load(slots_ptr + t, mask=row_ok, other=0)
     kv_at = page * s_kp + slot * s_ks + head * D  # [BR] into k/v caches [P, S, K, D]
     dst = tl.where(

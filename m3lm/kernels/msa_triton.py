@@ -38,7 +38,7 @@ def _index_scores_kernel(
     offs_d = tl.arange(0, DIP)
     offs_s = tl.arange(0, SP)
     if blk * S < length:
-        page = tl.load(tables_ptr + b * s_tb + blk)
+        page = tl.load(tables_ptr + b * s_tb + blk).to(tl.int64)  # page x stride passes 2^31 in big pools
         d_ok = offs_d[None, :] < DI
         iq = tl.load(
             iq_ptr + b * s_iqb + offs_h[:, None] * s_iqh + offs_d[None, :],
@@ -156,7 +156,7 @@ def _paged_attn_kernel(
             blk = tl.load(blocks_ptr + b * s_bb + kh * s_bk + slot)
             valid = blk >= 0
         if valid:
-            page = tl.load(tables_ptr + b * s_tb + blk)
+            page = tl.load(tables_ptr + b * s_tb + blk).to(tl.int64)  # page x stride passes 2^31 in big pools
             base = page * s_kp + offs_s[:, None] * s_ks + kh * s_kh + offs_d[None, :]
             kv_ok = (offs_s[:, None] < S) & d_ok
             kb = tl.load(k_ptr + base, mask=kv_ok, other=0.0)  # [SP, DP]
