@@ -75,35 +75,52 @@ class RequestStream:
             from m3lm.tokenizer import OutputText
 
             self._text = OutputText(owner.tokenizer, params)
-        self._num_tokens = 0
-        self._max_tokens = params.max_tokens
+        self._done = False  # the consumer has had the last output
+
+    async def next(self, timeout: float | None = None) -> StepOutput | None:
+        """The next output (merged with any others already waiting), None when `timeout` seconds
+        pass without one; raises StopAsyncIteration at the end, or the stream's error."""
+        if self._done:
+            raise StopAsyncIteration
+        if not self._items:
+            self._ready.clear()
+            timer = self.loop.call_later(timeout, self._ready.set) if timeout is not None else None
+            await self._ready.wait()
+            if timer is not None:
+                timer.cancel()
+            if not self._items:
+                return None
+        merged = None
+        while self._items:
+            item = self._items.popleft()
+            if isinstance(item, StepOutput):
+                merged = item if merged is None else merged.extend(item)
+                continue
+            if merged is not None:
+                self._items.appendleft(item)
+                break
+            self._done = self.finished = True
+            if item is _END:
+                raise StopAsyncIteration
+            raise item
+        self._done = merged.finished
+        self.finished = self.finished or merged.finished  # an aborted stream stays finished
+        return merged
 
     async def __aiter__(self) -> AsyncIterator[StepOutput]:
         try:
             while True:
-                while not self._items:
-                    self._ready.clear()
-                    await self._ready.wait()
-                merged = None
-                while self._items:
-                    item = self._items.popleft()
-                    if isinstance(item, StepOutput):
-                        merged = item if merged is None else merged.extend(item)
-                        continue
-                    if merged is not None:
-                        self._items.appendleft(item)
-                        break
-                    if item is _END:
-                        return
-                    self.finished = True
-                    raise item
-                self.finished = merged.finished
-                yield merged
-                if merged.finished:
+                try:
+                    yield await self.next()
+                except StopAsyncIteration:
                     return
         finally:
-            if not self.finished:
-                self.abort()
+            self.close()
+
+    def close(self) -> None:
+        """The consumer has stopped: abort the request unless it has ended."""
+        if not self.finished:
+            self.abort()
 
     def abort(self) -> None:
         if not self.finished:

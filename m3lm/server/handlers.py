@@ -8,13 +8,13 @@ answer on token ids (`ReplyParser`); in chat, stop strings apply to the answer o
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -27,6 +27,8 @@ from m3lm.server.metrics import Metrics
 from m3lm.server.parsers import plan_tool_choice, template_messages
 from m3lm.server.protocol import ChatCompletionRequest, CompletionRequest, Limits, error_body
 from m3lm.server.reasoning import ReplyFormat, ReplyParser, detect_thinking_mode
+
+_json = msgspec.json.Encoder().encode
 
 
 class ApiError(Exception):
@@ -120,6 +122,16 @@ async def merge(
     With `tick`, None comes after every `tick` seconds without an output (for keep-alives); waiting
     is never what ends a stream: a queued or slow request keeps its place.
     """
+    if len(streams) == 1:  # the common case, without a task and a queue between
+        try:
+            while True:
+                try:
+                    out = await streams[0].next(tick)
+                except StopAsyncIteration:
+                    return
+                yield None if out is None else (0, out)
+        finally:
+            _abort(streams)
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, s: RequestStream) -> None:
@@ -323,13 +335,13 @@ def _check(out: StepOutput) -> None:
         raise ApiError(500, f"generation failed: {detail}", "internal_error")
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def _sse(obj: dict) -> bytes:
+    return b"data: " + _json(obj) + b"\n\n"
 
 
 async def _stream(
     state, rid, created, streams, choices, prompt_tokens, chat, include_usage, per_prompt, ids=False
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(index: int, payload: dict, finish: str | None = None) -> str:
@@ -352,7 +364,7 @@ async def _stream(
     try:
         async for event in events:
             if event is None:
-                yield ": keep-alive\n\n"
+                yield b": keep-alive\n\n"
                 continue
             i, out = event
             c = choices[i]
@@ -393,4 +405,4 @@ async def _stream(
         yield _sse(error_body(str(e), "service_unavailable", code=503))
     finally:
         await events.aclose()
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
