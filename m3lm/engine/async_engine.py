@@ -340,8 +340,12 @@ class AsyncEngine:
 
     def _send(self, msg) -> None:
         with self._send_lock:
-            if not self._to_engine.closed:
-                self._to_engine.send(m.encode(msg), copy=False)
+            if self._to_engine.closed:
+                return
+            try:  # never blocks: with no engine connected a PUSH socket would wait forever
+                self._to_engine.send(m.encode(msg), zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                log.warning("the engine is not connected: %s dropped", type(msg).__name__)
 
     # -- outputs -----------------------------------------------------------------------------
 
