@@ -8,6 +8,7 @@ torchrun's rank 0). The server binds both sockets; the loop connects.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -205,16 +206,19 @@ def run_engine_process(spec: EngineSpec, in_addr: str, out_addr: str, parent_pid
         start = time.perf_counter()
         try:
             engine, group = build_engine(spec)
-            loop = EngineLoop(engine, ctx, in_addr, out_addr, parent_pid)
+            warm = warm_up(engine)
         except Exception as e:
+            log.debug("the engine could not start", exc_info=True)
             out = ctx.socket(zmq.PUSH)
             out.setsockopt(zmq.LINGER, 2000)
+            out.setsockopt(zmq.SNDTIMEO, 5000)  # the server may be gone too
             out.connect(out_addr)
-            out.send(m.encode(m.Failed(str(e) or type(e).__name__)))
+            with contextlib.suppress(zmq.Again):
+                out.send(m.encode(m.Failed(str(e) or type(e).__name__)))
             out.close()
             code = 1
             return
-        warm = warm_up(engine)
+        loop = EngineLoop(engine, ctx, in_addr, out_addr, parent_pid)
         log.info("engine ready in %.1f s", time.perf_counter() - start)
         loop.send(m.Ready(engine_info(engine, warm)))
         loop.run()
