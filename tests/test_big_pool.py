@@ -17,7 +17,8 @@ from m3lm.engine.engine import LLMEngine
 pytestmark = pytest.mark.cuda
 
 
-def greedy(model, config: EngineConfig, prompts) -> list[list[int]]:
+def greedy(model, config: EngineConfig, prompts) -> tuple[list[list[int]], int]:
+    """Greedy tokens of each prompt, and the elements of one layer's key pool."""
     engine = LLMEngine(model, None, config)
     per_layer = engine.cache.k[0].numel()
     seqs = [

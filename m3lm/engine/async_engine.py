@@ -28,7 +28,7 @@ import zmq
 from m3lm.core import SamplingParams
 from m3lm.engine import messages as m
 from m3lm.engine.engine import LLMEngine, StepOutput, validate_request
-from m3lm.engine.engine_loop import EngineLoop, EngineSpec, engine_info, run_engine_process, warm_up
+from m3lm.engine.engine_loop import EngineLoop, EngineSpec, engine_info, run_engine_process, warm_up_if_on
 from m3lm.engine.sequence import TokenLogprob
 from m3lm.errors import M3lmError
 
@@ -267,7 +267,7 @@ class AsyncEngine:
             torch.set_num_threads(self.cpu_threads)
         loop = EngineLoop(engine, self._ctx, self._in_addr, self._out_addr)
         try:
-            loop.send(m.Ready(engine_info(engine, warm_up(engine))))
+            loop.send(m.Ready(engine_info(engine, warm_up_if_on(engine))))
             loop.run()
         except Exception:
             log.exception("the engine stopped on a fault")

@@ -109,16 +109,19 @@ class EngineLoop:
                 try:
                     self.engine.add_request(msg.prompt_ids, msg.params, msg.request_id)
                 except ValueError as e:
-                    self.send(m.Outputs([m.Output(msg.request_id, [], None, "error", str(e))], self.stats()))
+                    self._publish([m.Output(msg.request_id, [], None, "error", str(e))])
             elif isinstance(msg, m.Abort):
                 for rid in msg.request_ids:
                     self.engine.abort(rid)
             else:
                 return False
 
-    def stats(self) -> m.Stats:
-        self._stats = engine_stats(self.engine)
-        return self._stats
+    def _publish(self, outputs: list[m.Output]) -> None:
+        """Send the step's outputs with the scheduler's stats; nothing when both are unchanged."""
+        stats = engine_stats(self.engine)
+        if outputs or stats != self._stats:
+            self._stats = stats
+            self.send(m.Outputs(outputs, stats))
 
     def run(self) -> None:
         """Serve until `Shutdown` or the parent's exit; a fault is reported as `Dead`, then raised."""
@@ -128,13 +131,10 @@ class EngineLoop:
                 if self._orphaned():
                     log.warning("the server process has gone: the engine stops")
                     return
-                if not engine.has_unfinished():
-                    if engine_stats(engine) != self._stats:  # aborts changed the gauges
-                        self.send(m.Outputs([], self.stats()))
-                    continue
-                outs = engine.step()
-                if outs or engine_stats(engine) != self._stats:
-                    self.send(m.Outputs([to_message(o) for o in outs], self.stats()))
+                if engine.has_unfinished():
+                    self._publish([to_message(o) for o in engine.step()])
+                else:
+                    self._publish([])  # aborts may have changed the gauges
         except Exception as e:
             self.send(m.Dead(f"{type(e).__name__}: {e}"))
             raise
@@ -206,7 +206,7 @@ def run_engine_process(spec: EngineSpec, in_addr: str, out_addr: str, parent_pid
         start = time.perf_counter()
         try:
             engine, group = build_engine(spec)
-            warm = warm_up(engine)
+            warm = warm_up_if_on(engine)
         except Exception as e:
             log.debug("the engine could not start", exc_info=True)
             out = ctx.socket(zmq.PUSH)
@@ -237,7 +237,7 @@ def run_engine_process(spec: EngineSpec, in_addr: str, out_addr: str, parent_pid
             os._exit(code)
 
 
-def warm_up(engine: LLMEngine) -> float:
+def warm_up_if_on(engine: LLMEngine) -> float:
     """Compile every kernel variant and capture every graph serving can need (GPU only, and
     unless `EngineConfig.warmup` is off); returns its seconds."""
     if not engine.config.warmup:
