@@ -38,11 +38,21 @@ def bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def workload(engine: LLMEngine, a: argparse.Namespace) -> tuple[dict[str, list[float]], CompileCount]:
-    """`a.requests` requests in waves; per step kind, the steps' seconds."""
+def composition(plan) -> str:
+    """A step's sequences: its decodes, then each prompt chunk as tokens@start."""
+    decodes = sum(n == 1 and s.num_cached == s.num_tokens - 1 for s, n in plan)
+    chunks = [f"{n}@{s.num_cached}" for s, n in plan if not (n == 1 and s.num_cached == s.num_tokens - 1)]
+    return f"{decodes} decodes + {len(chunks)} chunks ({', '.join(chunks)})"
+
+
+def workload(
+    engine: LLMEngine, a: argparse.Namespace
+) -> tuple[dict[str, list[float]], CompileCount, list[tuple[float, str, str]]]:
+    """`a.requests` requests in waves; per step kind, the steps' seconds; the slowest steps."""
     rng = random.Random(a.seed)
     vocab = engine.model.args.vocab_size
     times: dict[str, list[float]] = defaultdict(list)
+    every: list[tuple[float, str, str]] = []  # (seconds, kind, composition)
     plan_of = engine.scheduler.schedule
     seen = {}
 
@@ -50,6 +60,7 @@ def workload(engine: LLMEngine, a: argparse.Namespace) -> tuple[dict[str, list[f
         plan = plan_of()
         tokens = sum(n for _, n in plan)
         seen["kind"] = f"decode b{bucket(len(plan))}" if tokens == len(plan) else f"prefill t{bucket(tokens)}"
+        seen["what"] = composition(plan)
         return plan
 
     engine.scheduler.schedule = schedule
@@ -68,9 +79,10 @@ def workload(engine: LLMEngine, a: argparse.Namespace) -> tuple[dict[str, list[f
                 t = time.perf_counter()
                 engine.step()
                 torch.cuda.synchronize()
-                times[seen["kind"]].append(time.perf_counter() - t)
+                times[seen["kind"]].append(dt := time.perf_counter() - t)
+                every.append((dt, seen["kind"], seen["what"]))
     engine.scheduler.schedule = plan_of
-    return times, count
+    return times, count, sorted(every, reverse=True)[:8]
 
 
 def main() -> None:
@@ -101,7 +113,7 @@ def main() -> None:
         r = warm_up(engine)
         lines.append(f"warm-up: {r.seconds:.1f} s, {r.steps} steps, {r.variants} variants, {r.graphs} graphs")
     t = time.perf_counter()
-    times, count = workload(engine, a)
+    times, count, slowest = workload(engine, a)
     steps = sum(len(v) for v in times.values())
     lines.append(
         f"workload: {a.requests} requests in {time.perf_counter() - t:.1f} s, {steps} steps, "
@@ -118,6 +130,8 @@ def main() -> None:
         worst = max(worst, max(xs) / med) if len(xs) >= 5 else worst
         rows.append(f"| {kind} | {len(xs)} | {med * 1e3:.2f} | {max(xs) * 1e3:.2f} | {max(xs) / med:.2f} |")
     lines.append(f"worst slowest/median over kinds with at least 5 steps: {worst:.2f}")
+    rows += ["", "| slowest steps (ms) | kind | sequences |", "|---:|---|---|"]
+    rows += [f"| {dt * 1e3:.2f} | {kind} | {what} |" for dt, kind, what in slowest]
     body = "\n".join(lines) + "\n\n" + "\n".join(rows)
     print(body)
     if a.out:

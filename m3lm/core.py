@@ -31,13 +31,16 @@ class ForwardBatch:
 
     positions [T] holds each token's absolute position in its own sequence, q_lens the number
     of tokens each sequence contributes. Without `kv` every sequence starts at position 0 and
-    attends only to its own tokens of this pass.
+    attends only to its own tokens of this pass. With `decode` (B rows) the first B sequences
+    are one new token each over the paged caches: their attention is one batched launch per
+    layer (the decode kernels), the other sequences' one per sequence.
     """
 
     positions: torch.Tensor
     q_lens: list[int]
     kv: KVStore | None = None
     msa_dense_window: float | None = None  # opt-in approximation, see EngineConfig
+    decode: DecodeBatch | None = None
     _rope: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def rope(self, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -444,6 +444,40 @@ def elementwise_kernels():
         )
 
 
+def mixed_step():
+    """A step of two decodes and a prefill chunk: the decodes batched through the decode kernels
+    (`decode_rows`) give the per-sequence path's logits and cache contents."""
+    import copy
+
+    from checkpoints import Spec, release_config
+
+    from m3lm.cache.kv_cache import KVCache
+    from m3lm.config import ModelArgs
+    from m3lm.distributed.steps import Step
+    from m3lm.engine.runner import forward_step
+    from m3lm.models.minimax_m3 import MiniMaxM3, random_init_
+
+    args = ModelArgs.from_dict(release_config(Spec(block=4, topk_blocks=2)))
+    model = random_init_(MiniMaxM3(args), seed=2)
+    for index_fp8 in (False, True):
+        cache = KVCache(args, 16, "cpu", torch.float32, index_fp8)
+        tables = [[0, 1, 2, 3], [7, 5], [8, 9, 10]]  # the second not consecutive: gathered
+        prompts = [[(3 * i + 1) % 90 for i in range(13)], [(5 * i + 2) % 90 for i in range(6)]]
+        with torch.inference_mode():
+            forward_step(
+                model, cache, Step(prompts[0] + prompts[1], [13, 6], [0, 0], [12, 18], tables[:2]), None
+            )
+            # sequence 0 decodes at 13 (4 blocks > top-k 2: a selection), 1 at 6, 2 prefills 9 tokens
+            step = Step([4, 9, *range(20, 29)], [1, 1, 9], [13, 6, 0], [0, 1, 10], tables)
+            plain = copy.deepcopy(cache)
+            want = forward_step(model, plain, step, None, batch_decodes=False)
+            got = forward_step(model, cache, step, None, table_width=6, batch_decodes=True)
+        close(got, want)
+        pools = [(cache.k, plain.k), (cache.v, plain.v), (list(cache.ik.values()), list(plain.ik.values()))]
+        for a, b in (pair for ours, theirs in pools for pair in zip(ours, theirs, strict=True)):
+            close(a.float(), b.float(), 1e-6)
+
+
 CHECKS = {
     f.__name__: f
     for f in (
@@ -455,6 +489,7 @@ CHECKS = {
         routing_kernels,
         fp8_kernels,
         elementwise_kernels,
+        mixed_step,
     )
 }
 

@@ -14,7 +14,7 @@ from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams
 from m3lm.engine.engine import LLMEngine
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.whole_gpu]
 
 
 def greedy(model, config: EngineConfig, prompts) -> tuple[list[list[int]], int]:

@@ -22,6 +22,8 @@ from m3lm.layers.rotary import rope_cos_sin
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
+# Engines here take a small pool, not the GPU's memory, so that xdist workers can share the GPU.
+POOL = 16384
 
 
 def rel(out, ref) -> float:
@@ -417,7 +419,7 @@ def test_engine_graph_batches_match_cpu(tiny_path):
     params = m3lm.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
     def run(model):
-        engine = LLMEngine(model, None, EngineConfig(max_num_seqs=8, max_model_len=128))
+        engine = LLMEngine(model, None, EngineConfig(max_num_seqs=8, max_model_len=128, kv_cache_tokens=POOL))
         seqs = [engine.add_request(p, params) for p in prompts]
         while engine.has_unfinished():
             engine.step()
@@ -431,6 +433,41 @@ def test_engine_graph_batches_match_cpu(tiny_path):
     )  # decode steps went through graphs
 
 
+def test_engine_mixed_steps_match_cpu(tiny_path, monkeypatch):
+    """Prompts arriving while others decode: the decodes of those mixed steps attend as one batch
+    (`decode_rows`), and every request gets the CPU's tokens."""
+    from m3lm.engine import runner
+
+    cpu, _ = m3lm.load(tiny_path, device="cpu", dtype="float32")
+    gpu, _ = m3lm.load(tiny_path, device=DEV, dtype="float32")
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (21, 5, 33, 1, 14, 40)]
+    params = m3lm.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    batched = []
+    real = runner.decode_rows
+
+    def spy(step, *args):
+        dec = real(step, *args)
+        batched.append((0 if dec is None else dec.positions.shape[0], len(step.q_lens)))
+        return dec
+
+    monkeypatch.setattr(runner, "decode_rows", spy)
+
+    def run(model):
+        engine = LLMEngine(model, None, EngineConfig(max_num_seqs=8, max_model_len=128, kv_cache_tokens=POOL))
+        seqs = []
+        for p in prompts:  # a new prompt every other step
+            seqs.append(engine.add_request(p, params))
+            engine.step()
+            engine.step()
+        while engine.has_unfinished():
+            engine.step()
+        return [s.output_ids for s in seqs]
+
+    assert run(gpu) == run(cpu)
+    assert sum(0 < b < n for b, n in batched) >= 4  # decodes batched beside a prefill
+
+
 def test_engine_prefix_cache_on_gpu_matches_cpu(tiny_path):
     """Prompts that start on cached pages (shared, not consecutive) give the CPU's tokens."""
     cpu, _ = m3lm.load(tiny_path, device="cpu", dtype="float32")
@@ -441,11 +478,13 @@ def test_engine_prefix_cache_on_gpu_matches_cpu(tiny_path):
         shared[:30]
     ]
     params = m3lm.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    ref = LLMEngine(cpu, None, EngineConfig(max_num_seqs=8, max_model_len=128, prefix_caching=False))
+    ref = LLMEngine(
+        cpu, None, EngineConfig(max_num_seqs=8, max_model_len=128, kv_cache_tokens=POOL, prefix_caching=False)
+    )
     want = [ref.add_request(p, params).output_ids for p in prompts]
     while ref.has_unfinished():
         ref.step()
-    engine = LLMEngine(gpu, None, EngineConfig(max_num_seqs=8, max_model_len=128))
+    engine = LLMEngine(gpu, None, EngineConfig(max_num_seqs=8, max_model_len=128, kv_cache_tokens=POOL))
     got, cached = [], []
     for p in prompts:  # one after another: each starts on the pages the earlier ones left
         seq = engine.add_request(p, params)
@@ -537,6 +576,27 @@ def test_prefill_kernel_matches_reference(dtype, h, k, d, s, topk, tk, t):
         assert torch.equal(
             msa_prefill_attention(q, kk, vv, pos, d**-0.5, block_ids, s, tma=False, row_masks=False), out
         )
+
+
+def test_whole_sequence_attention_builds_no_plan_per_length():
+    """A whole prompt's attention takes a kernel with the length as a runtime argument: cuDNN's
+    builds a host-side plan for every new length, inside the serving step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from m3lm.kernels.msa import msa_attention_sdpa
+
+    ops = set()
+    for t in (535, 426):
+        gen = torch.Generator(device="cpu").manual_seed(t)
+        q = torch.randn(t, 64, 128, generator=gen).to(DEV, torch.bfloat16)
+        kk, vv = (torch.randn(t, 4, 128, generator=gen).to(DEV, torch.bfloat16) for _ in range(2))
+        pos = torch.arange(t, device=DEV)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = msa_attention_sdpa(q, kk, vv, pos, 128**-0.5)
+        ops |= {e.key for e in prof.key_averages()}
+        assert rel(out, msa_attention_ref(q.float(), kk.float(), vv.float(), pos, 128**-0.5)) < 2e-2
+    assert any("flash" in op for op in ops), sorted(ops)
+    assert not any("cudnn" in op for op in ops), sorted(ops)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -758,7 +818,9 @@ def test_engine_graphs_with_mxfp8_weights_match_cpu(tiny_path, index_fp8):
     params = m3lm.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
     def run(model):
-        config = EngineConfig(max_num_seqs=4, max_model_len=128, index_cache_fp8=index_fp8)
+        config = EngineConfig(
+            max_num_seqs=4, max_model_len=128, kv_cache_tokens=POOL, index_cache_fp8=index_fp8
+        )
         engine = LLMEngine(model, None, config)
         seqs = [engine.add_request(p, params) for p in prompts]
         while engine.has_unfinished():

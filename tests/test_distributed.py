@@ -144,8 +144,10 @@ def test_step_messages_round_trip():
     header, payload = steps.encode_step(step)
     assert steps.decode_step(header, payload) == step
     for window in (None, 2.5):
-        _, payload = steps.encode_init(steps.Init(33, window))
-        assert steps.decode_init(payload) == steps.Init(33, window)
+        init = steps.Init(33, window, index_fp8=window is None, table_width=129)
+        _, payload = steps.encode_init(init)
+        assert payload.numel() == steps.INIT_SIZE
+        assert steps.decode_init(payload) == init
 
 
 # --- the sharded loader ---------------------------------------------------------------------------

@@ -175,6 +175,7 @@ def test_engine_info_and_startup_line_on_the_cpu(story, caplog):
 
 
 @pytest.mark.cuda
+@pytest.mark.whole_gpu
 def test_gpu_pool_holds_85_percent_of_what_is_left():
     model, _ = m3lm.load(m3lm.DEFAULT_MODEL, device="cuda")
     engine = LLMEngine(model, None, EngineConfig(gpu_memory_utilization=0.5, max_model_len=2048))

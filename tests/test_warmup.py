@@ -210,6 +210,7 @@ def test_throwaway_steps_give_their_pages_back(tiny_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.whole_gpu
 def test_no_compiling_after_the_warm_up(tiny_path):
     """After `warm_up`, bursts of mixed-length requests (prompts 32..3000, batches of varied size)
     compile no new kernel variant."""

@@ -1,7 +1,8 @@
 """Step messages from rank 0 to the followers: plain int64 tensors over the control group.
 
 Every message is a fixed header [op, T, B, R, W] then, when it has one, a payload:
-INIT   payload [num_pages, has_window, window bits]: a new engine's KV pool and MSA option
+INIT   payload [num_pages, has_window, index_fp8, table_width, window bits]: a new engine's KV
+       pool, MSA option and decode table width
 STEP   payload tokens [T], q_lens [B], starts [B], logits rows [R], block tables [B, W] (-1 pad)
 STOP   no payload: the followers leave their loop
 No pickle: a message is numbers only, decoded by shape.
@@ -29,7 +30,7 @@ class Step:
     tables: list[list[int]]
 
 
-INIT_SIZE = 4  # num_pages, has a window, index_fp8, the window's float64 bits
+INIT_SIZE = 5  # num_pages, has a window, index_fp8, table_width, the window's float64 bits
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Init:
     num_pages: int
     msa_dense_window: float | None
     index_fp8: bool = False
+    table_width: int = 0  # pages per row of the decode rows' block table (`forward_step`)
 
 
 def encode_step(step: Step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,14 +63,15 @@ def decode_step(header: torch.Tensor, payload: torch.Tensor) -> Step:
 def encode_init(init: Init) -> tuple[torch.Tensor, torch.Tensor]:
     window = torch.tensor([init.msa_dense_window or 0.0], dtype=torch.float64).view(torch.int64)
     has = int(init.msa_dense_window is not None)
-    payload = torch.cat([torch.tensor([init.num_pages, has, int(init.index_fp8)], dtype=torch.int64), window])
+    head = [init.num_pages, has, int(init.index_fp8), init.table_width]
+    payload = torch.cat([torch.tensor(head, dtype=torch.int64), window])
     return torch.tensor([INIT, 0, 0, 0, 0], dtype=torch.int64), payload
 
 
 def decode_init(payload: torch.Tensor) -> Init:
-    num_pages, has, index_fp8 = payload[:3].tolist()
-    window = float(payload[3:].view(torch.float64)[0])
-    return Init(num_pages, window if has else None, bool(index_fp8))
+    num_pages, has, index_fp8, width = payload[:4].tolist()
+    window = float(payload[4:].view(torch.float64)[0])
+    return Init(num_pages, window if has else None, bool(index_fp8), width)
 
 
 def send(pc: ParallelConfig, message: Step | Init | None) -> None:

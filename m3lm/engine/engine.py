@@ -124,18 +124,17 @@ class LLMEngine:
         kv_heads = model.model.layers[0].self_attn.n_kv  # this rank's, under tensor parallelism
         # One spare page beyond the block manager's: padding rows of graph-captured steps write there.
         self.cache = KVCache(args, num_pages + 1, self.device, weight.dtype, config.index_cache_fp8, kv_heads)
-        steps.send(
-            parallel, steps.Init(num_pages + 1, config.msa_dense_window, config.index_cache_fp8)
-        )  # followers size theirs
+        max_pages = -(-self.max_model_len // page)  # a sequence's pages at most
+        init = steps.Init(num_pages + 1, config.msa_dense_window, config.index_cache_fp8, max_pages)
+        steps.send(parallel, init)  # followers size theirs
         self.blocks = BlockManager(num_pages, page, config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         graphs = None
         if use_graphs:
             from m3lm.engine.cuda_graphs import DecodeGraphs
 
-            max_pages = -(-self.max_model_len // page)
             graphs = DecodeGraphs(model, self.cache, min(config.max_num_seqs, 256), max_pages, num_pages)
-        self.runner = ModelRunner(model, self.cache, config.msa_dense_window, graphs)
+        self.runner = ModelRunner(model, self.cache, config.msa_dense_window, graphs, max_pages)
         self.sampler = Sampler()
         self.eos_ids = eos_ids_of(tokenizer, self.generation_config, eos_ids)
         self.requests: dict[str, Sequence] = {}

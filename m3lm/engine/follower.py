@@ -18,16 +18,16 @@ from m3lm.models.minimax_m3 import MiniMaxM3
 @torch.inference_mode()
 def follow(model: MiniMaxM3) -> int:
     """Serve rank 0's messages until STOP; returns the number of steps run."""
-    pc, cache, window, done = model.parallel, None, None, 0
+    pc, cache, window, width, done = model.parallel, None, None, 0, 0
     weight = model.lm_head.weight
     kv_heads = model.model.layers[0].self_attn.n_kv
     while (msg := steps.receive(pc)) is not None:
         if isinstance(msg, steps.Init):
             cache = None  # free the previous engine's pool first
             cache = KVCache(model.args, msg.num_pages, weight.device, weight.dtype, msg.index_fp8, kv_heads)
-            window = msg.msa_dense_window
+            window, width = msg.msa_dense_window, msg.table_width
             continue
         assert cache is not None, "a step before any engine was created"
-        forward_step(model, cache, msg, window)
+        forward_step(model, cache, msg, window, width)
         done += 1
     return done

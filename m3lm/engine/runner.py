@@ -6,19 +6,30 @@ Under tensor parallelism rank 0's runner first sends the step's inputs to the fo
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from m3lm.cache.kv_cache import KVCache, PagedKV
-from m3lm.core import ForwardBatch
+from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.distributed import steps
 from m3lm.engine.sequence import Sequence
 from m3lm.models.minimax_m3 import MiniMaxM3
 
 
 class ModelRunner:
-    def __init__(self, model: MiniMaxM3, cache: KVCache, msa_dense_window: float | None = None, graphs=None):
+    def __init__(
+        self,
+        model: MiniMaxM3,
+        cache: KVCache,
+        msa_dense_window: float | None = None,
+        graphs=None,
+        table_width: int = 0,
+    ):
+        """`table_width`: pages per row of the decode rows' block table (the decode graphs' width,
+        pages of max_model_len), so that eager decode launches are the graphs' variants."""
         self.model, self.cache, self.msa_dense_window = model, cache, msa_dense_window
         self.graphs = graphs  # DecodeGraphs on a GPU
+        self.table_width = table_width
         self.device = model.lm_head.weight.device
 
     @torch.inference_mode()
@@ -30,6 +41,9 @@ class ModelRunner:
         decode_only = all(n == 1 and s.num_cached == s.num_tokens - 1 for s, n in plan)
         if self.graphs is not None and decode_only and len(plan) <= self.graphs.max_batch:
             return self._decode(plan, tables)
+        # Single new tokens lead, so that the forward attends to them in one batch.
+        order = sorted(range(len(plan)), key=lambda i: plan[i][1] != 1)
+        plan, tables = [plan[i] for i in order], [tables[i] for i in order]
         tokens, q_lens, starts, rows, ready = [], [], [], [], []
         offset = 0
         for seq, n in plan:
@@ -43,7 +57,7 @@ class ModelRunner:
                 ready.append(seq)
         step = steps.Step(tokens, q_lens, starts, rows, tables)
         steps.send(self.model.parallel, step)
-        logits = forward_step(self.model, self.cache, step, self.msa_dense_window)
+        logits = forward_step(self.model, self.cache, step, self.msa_dense_window, self.table_width)
         for seq, n in plan:
             seq.num_cached += n
         return ready, logits
@@ -59,18 +73,50 @@ class ModelRunner:
 
 
 def forward_step(
-    model: MiniMaxM3, cache: KVCache, step: steps.Step, msa_dense_window: float | None
+    model: MiniMaxM3,
+    cache: KVCache,
+    step: steps.Step,
+    msa_dense_window: float | None,
+    table_width: int = 0,
+    batch_decodes: bool | None = None,
 ) -> torch.Tensor:
-    """One packed forward of a step's tokens over the paged caches -> fp32 logits [R, V]."""
+    """One packed forward of a step's tokens over the paged caches -> fp32 logits [R, V].
+
+    The step's leading single-token sequences attend as one batch (`decode_rows`) where the
+    decode kernels run: on a GPU without the dense window, unless `batch_decodes` says otherwise.
+    """
     dev = model.lm_head.weight.device
+    if batch_decodes is None:
+        batch_decodes = dev.type == "cuda" and msa_dense_window is None
     positions = [
         p for start, n in zip(step.starts, step.q_lens, strict=True) for p in range(start, start + n)
     ]
+    positions = torch.tensor(positions, dtype=torch.long, device=dev)
     batch = ForwardBatch(
-        positions=torch.tensor(positions, dtype=torch.long, device=dev),
+        positions=positions,
         q_lens=step.q_lens,
         kv=PagedKV(cache, step.tables, step.starts, step.q_lens),
         msa_dense_window=msa_dense_window,
+        decode=decode_rows(step, positions, cache, table_width) if batch_decodes else None,
     )
     ids = torch.tensor(step.tokens, dtype=torch.long, device=dev)
     return model.forward_batch(ids, batch, torch.tensor(step.rows, dtype=torch.long, device=dev))
+
+
+def decode_rows(
+    step: steps.Step, positions: torch.Tensor, cache: KVCache, width: int = 0
+) -> DecodeBatch | None:
+    """The `DecodeBatch` of the step's leading single-token sequences (None when there are none):
+    block tables `width` pages wide (at least the longest table), padded with the spare last page."""
+    b = next((i for i, n in enumerate(step.q_lens) if n != 1), len(step.q_lens))
+    if b == 0:
+        return None
+    tables = step.tables[:b]
+    width = max(width, *map(len, tables))
+    host = np.full((b, width), cache.num_pages - 1, dtype=np.int32)
+    for i, table in enumerate(tables):
+        host[i, : len(table)] = table
+    pinned = positions.is_cuda
+    tab = torch.from_numpy(host)
+    tab = (tab.pin_memory() if pinned else tab).to(positions.device, non_blocking=pinned)
+    return DecodeBatch.build(positions[:b], tab, cache, cache.page_size)

@@ -8,6 +8,7 @@ k = top-k blocks. Work is split into query chunks so nothing of size [T, Tk] is 
 from __future__ import annotations
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Elements of fp32 scores one query chunk may hold; bounds memory for long sequences.
 SCORE_BUDGET = 1 << 24
@@ -128,6 +129,11 @@ def _block_keep(block_ids: torch.Tensor, tk: int, block_size: int) -> torch.Tens
     return mask[..., key_block]  # [K, Tc, Tk]
 
 
+# cuDNN's fused attention builds a plan on the host for each new shape (about 10 ms, inside a
+# serving step); flash and memory-efficient kernels take any length as a runtime argument.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def msa_attention_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,7 +143,7 @@ def msa_attention_sdpa(
     block_ids: torch.Tensor | None = None,
     block_size: int = 0,
 ) -> torch.Tensor:
-    """`msa_attention_ref` on PyTorch's fused attention (flash / memory-efficient kernels).
+    """`msa_attention_ref` on PyTorch's fused attention (flash / memory-efficient kernels, never cuDNN's).
 
     Each KV group is one batch entry of G query heads; the causal and block masks are built per
     query chunk ([K, 1, Tc, Tk] booleans), so memory stays bounded. A prefill from position 0
@@ -149,11 +155,22 @@ def msa_attention_sdpa(
     qg = q.view(t_len, n_kv, g, d).permute(1, 2, 0, 3)  # [K, G, T, D]
     kg = k.permute(1, 0, 2)[:, None].expand(n_kv, g, tk, d)  # [K, G, Tk, D]
     vg = v.permute(1, 0, 2)[:, None].expand(n_kv, g, tk, d)
+    with sdpa_kernel(SDPA_BACKENDS):
+        return (
+            _sdpa(qg, kg, vg, q_pos, scale, block_ids, block_size)
+            .permute(2, 0, 1, 3)
+            .reshape(t_len, n_heads, d)
+        )
+
+
+def _sdpa(qg, kg, vg, q_pos, scale, block_ids, block_size) -> torch.Tensor:
+    """`msa_attention_sdpa` on grouped heads: qg [K, G, T, D], kg and vg [K, G, Tk, D] -> [K, G, T, D]."""
+    n_kv, _, t_len, _ = qg.shape
+    tk = kg.shape[2]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if block_ids is None and tk == t_len:
-        out = sdpa(qg, kg, vg, is_causal=True, scale=scale)  # positions 0..T-1 against themselves
-        return out.permute(2, 0, 1, 3).reshape(t_len, n_heads, d)
-    key_pos = torch.arange(tk, device=q.device)
+        return sdpa(qg, kg, vg, is_causal=True, scale=scale)  # positions 0..T-1 against themselves
+    key_pos = torch.arange(tk, device=qg.device)
     out = torch.empty_like(qg)
     step = max(1, (1 << 28) // max(1, n_kv * tk))
     for s in range(0, t_len, step):
@@ -162,4 +179,4 @@ def msa_attention_sdpa(
             keep = keep & _block_keep(block_ids[:, s : s + step], tk, block_size)  # [K, Tc, Tk]
         mask = keep.expand(n_kv, -1, -1)[:, None]  # [K, 1, Tc, Tk]
         out[:, :, s : s + step] = sdpa(qg[:, :, s : s + step], kg, vg, attn_mask=mask, scale=scale)
-    return out.permute(2, 0, 1, 3).reshape(t_len, n_heads, d)
+    return out

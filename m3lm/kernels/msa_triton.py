@@ -234,8 +234,9 @@ def paged_attention(
     n_kv = k_pool.shape[2]
     g = h // n_kv
     slots = block_ids.shape[-1] if block_ids is not None else tables.shape[1]
-    if splits is None:  # enough programs to fill the GPU: about two per multiprocessor
-        splits = -(-2 * sm_count(q.device) // (b * n_kv))
+    if splits is None:  # enough programs to fill the GPU: about two per multiprocessor, for
+        # B's power-of-two bucket, so that any B launches one of the variants a warm-up compiles
+        splits = -(-2 * sm_count(q.device) // (triton.next_power_of_2(b) * n_kv))
     splits = max(1, min(splits, slots))
     per_split = -(-slots // splits)
     splits = -(-slots // per_split)

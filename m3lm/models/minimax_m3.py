@@ -132,8 +132,12 @@ class Attention(nn.Module):
         after the projections are queued."""
         outs = self._products(x)[1]
         q, k, v, iq, ik = self._heads(outs, *batch.rope(*self.rotary))
-        outs, start = [], 0
-        for seq, n in enumerate(batch.q_lens):
+        outs, start, dec = [], 0, batch.decode
+        if dec is not None:  # the leading single-token sequences (a row each), batched
+            start = b = dec.positions.shape[0]
+            self._write_paged(k[:b], v[:b], None if ik is None else ik[:b], dec)
+            outs.append(self._paged(q[:b], None if iq is None else iq[:b], dec))
+        for seq, n in enumerate(batch.q_lens[start:], start):
             rows = slice(start, start + n)
             start += n
             pos = batch.positions[rows]
@@ -170,7 +174,7 @@ class Attention(nn.Module):
 
     def decode(self, x: torch.Tensor, dec: DecodeBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One new token per sequence over the paged caches (GPU kernels; no host sync): [B, C] -> [B, C]."""
-        from m3lm.kernels import fused, msa_triton
+        from m3lm.kernels import fused
 
         cache, layer = dec.cache, self.layer_idx
         y, outs = self._products(x)
@@ -183,10 +187,25 @@ class Attention(nn.Module):
             )  # fmt: skip
         else:
             q, k, v, iq, ik = self._heads(outs, cos, sin)
-            cache.k[layer][dec.pages, dec.slots] = k.to(cache.k[layer].dtype)
-            cache.v[layer][dec.pages, dec.slots] = v.to(cache.v[layer].dtype)
-            if self.sparse:
-                cache.write_index(layer, (dec.pages, dec.slots), ik)
+            self._write_paged(k, v, ik, dec)
+        return self.o_proj(self._paged(q, iq, dec).flatten(1))  # [B, C]
+
+    def _write_paged(
+        self, k: torch.Tensor, v: torch.Tensor, ik: torch.Tensor | None, dec: DecodeBatch
+    ) -> None:
+        """k, v [B, K, D] and the index keys [B, Di] of B new tokens into the caches at dec's slots."""
+        cache, layer = dec.cache, self.layer_idx
+        cache.k[layer][dec.pages, dec.slots] = k.to(cache.k[layer].dtype)
+        cache.v[layer][dec.pages, dec.slots] = v.to(cache.v[layer].dtype)
+        if self.sparse:
+            cache.write_index(layer, (dec.pages, dec.slots), ik)
+
+    def _paged(self, q: torch.Tensor, iq: torch.Tensor | None, dec: DecodeBatch) -> torch.Tensor:
+        """Attention of B new tokens q [B, H, D] (index queries iq [B, K, Di]) over the paged
+        caches, their own keys already there (GPU kernels) -> [B, H, D]."""
+        from m3lm.kernels import msa_triton
+
+        cache, layer = dec.cache, self.layer_idx
         block_ids = None
         if self.sparse:
             scale = cache.ik_scale.get(layer)  # per-position scales of fp8 index keys, else None
@@ -194,10 +213,9 @@ class Attention(nn.Module):
                 iq, cache.ik[layer], dec.tables, dec.lens, scale
             )  # [B, K, MAXP]
             block_ids = msa_triton.select_blocks(scores, dec.lens, *self.msa)  # [B, K, k]
-        out = msa_triton.paged_attention(
+        return msa_triton.paged_attention(
             q, cache.k[layer], cache.v[layer], dec.tables, dec.lens, self.scale, block_ids
         )
-        return self.o_proj(out.flatten(1))  # [B, C]
 
 
 class Experts(nn.Module):
