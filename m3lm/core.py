@@ -94,7 +94,10 @@ class SamplingParams:
     `logprobs` asks for the chosen token's log-probability plus that many top alternatives
     (0 = the chosen token only, None = none). `seed` makes sampling reproducible per request.
     `logit_bias` adds (token id, bias) to the logits before anything else. Only requests with the
-    same `cache_salt` share prefix-cache pages.
+    same `cache_salt` share prefix-cache pages. `prompt_logprobs` asks for each prompt token's
+    log-probability under the model (raw log-softmax, no sampling settings) plus that many top
+    alternatives; such a request computes its whole prompt (no cached prefix), and with it
+    `max_tokens` may be 0 (score the prompt, generate nothing).
     """
 
     max_tokens: int = 256
@@ -113,6 +116,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 1024  # entries: more would make every step's bias tensor a request's to size
@@ -126,8 +130,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < (self.prompt_logprobs is None):
+            bad("max_tokens", "must be an integer >= 1 (0 only with prompt_logprobs)")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", "must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
@@ -143,8 +147,10 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            bad("logprobs", f"must be in [0, {self.MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= self.MAX_LOGPROBS):
+                bad(name, f"must be in [0, {self.MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if self.seed is not None and (not isinstance(self.seed, int) or not lo <= self.seed <= hi):

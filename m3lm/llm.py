@@ -31,6 +31,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # with SamplingParams.prompt_logprobs: None for the first prompt token (nothing scores it),
+    # then each prompt token's logprob and top alternatives, as vLLM returns them
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -115,6 +118,7 @@ class LLM:
                 outputs=[
                     CompletionOutput(0, s.text, list(s.output_ids), s.finish_reason, s.logprobs or None)
                 ],
+                prompt_logprobs=None if s.params.prompt_logprobs is None else [None, *s.prompt_logprobs],
             )
             for t, s in zip(texts, seqs, strict=True)
         ]

@@ -125,17 +125,18 @@ def sample_rows(
     return ids
 
 
-def logprobs(
-    raw_logits: torch.Tensor, chosen: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def logprobs(raw_logits: torch.Tensor, chosen: torch.Tensor, k: int, ranks: bool = False) -> tuple:
     """Log-probabilities under the raw model logits [B, V] (before penalties and temperature).
 
-    Returns the chosen tokens' [B], and the k most likely ids [B, k] with theirs [B, k], fp32.
+    Returns the chosen tokens' [B], and the k most likely ids [B, k] with theirs [B, k], fp32;
+    with `ranks` also each chosen token's rank [B] (1 = the most likely).
     """
     lp = torch.log_softmax(raw_logits.float(), dim=-1)  # [B, V]
     chosen_lp = lp.gather(-1, chosen[:, None].long()).squeeze(-1)  # [B]
     top_lp, top_ids = lp.topk(k, dim=-1)  # [B, k]
-    return chosen_lp, top_ids, top_lp
+    if not ranks:
+        return chosen_lp, top_ids, top_lp
+    return chosen_lp, top_ids, top_lp, (lp > chosen_lp[:, None]).sum(dim=-1) + 1
 
 
 def make_generator(seed: int | None, device: torch.device | str | None = None) -> torch.Generator | None:

@@ -60,8 +60,9 @@ class Scheduler:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             # new or preempted (a waiting sequence holds no pages): start on its cached prefix
-            seq.num_cached = self.blocks.match(seq.seq_id, seq.token_ids, seq.params.cache_salt)
-            if self.blocks.awaits(seq.seq_id, seq.token_ids):
+            reuse = not seq.scores_prompt
+            seq.num_cached = self.blocks.match(seq.seq_id, seq.token_ids, seq.params.cache_salt, reuse)
+            if reuse and self.blocks.awaits(seq.seq_id, seq.token_ids):
                 self.blocks.free(seq.seq_id)  # a running prefill is computing its next page
                 seq.num_cached = 0
                 continue

@@ -70,18 +70,23 @@ class BlockManager:
         """Pages `seq_id` still needs to hold `tokens` positions."""
         return max(0, self.pages_for(tokens) - len(self.table(seq_id)))
 
-    def match(self, seq_id: int, tokens: list[int], salt: str | None = None) -> int:
+    def match(self, seq_id: int, tokens: list[int], salt: str | None = None, reuse: bool = True) -> int:
         """Start a sequence that holds no pages on the cached pages of its longest prefix; returns
         the positions they hold. At least the last token is left to compute (its logits are
         needed), so a prompt found whole gives back its last page, which is then recomputed.
         With a `salt` the chain of page names starts from it: only sequences with the same salt
-        share pages, so one tenant cannot learn from timing or cached counts what another sent."""
+        share pages, so one tenant cannot learn from timing or cached counts what another sent.
+        Without `reuse` nothing is matched (the sequence computes every position), but the pages
+        it fills are named as usual for later sequences."""
         assert not self.table(seq_id), "match only starts a sequence"
         if not self.prefix_caching:
             return 0
         root = hashlib.sha256(b"cache_salt\0" + salt.encode()).digest() if salt else b""
         if root:
             self._roots[seq_id] = root
+        if not reuse:
+            self._tables[seq_id], self._chains[seq_id] = [], []
+            return 0
         names, pages, name = [], [], root
         for start in range(0, len(tokens) - self.page_size, self.page_size):  # pages before the last token
             name = page_key(name, tokens[start : start + self.page_size])

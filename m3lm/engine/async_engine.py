@@ -146,7 +146,7 @@ class RequestStream:
                 ids, reason = ids[: j + 1], "stop"
                 self.owner.abort(self.request_id)
                 break
-        lps = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in out.logprobs or ()][: len(ids)]
+        lps = _token_logprobs(out.logprobs)[: len(ids)]
         res = StepOutput(
             out.request_id,
             list(ids),
@@ -157,12 +157,19 @@ class RequestStream:
             error=out.error,
             num_prefix_cached=out.num_prefix_cached,
             token_texts=texts if len(texts) > 1 else None,
+            prompt_logprobs=None
+            if out.prompt_logprobs is None
+            else [TokenLogprob(t, lp, [tuple(x) for x in top], r) for t, lp, top, r in out.prompt_logprobs],
         )
         if ids:
             self.first_token_time = self.first_token_time or now
             self.last_token_time = now
         self._put(res)
         return res
+
+
+def _token_logprobs(wire) -> list[TokenLogprob]:
+    return [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in wire or ()]
 
 
 class AsyncEngine:

@@ -26,7 +26,7 @@ from m3lm.engine.sequence import Sequence, TokenLogprob
 from m3lm.errors import ConfigError
 from m3lm.layers.linear import weight_bytes
 from m3lm.models.minimax_m3 import MiniMaxM3
-from m3lm.sampler import Sampler, make_generator
+from m3lm.sampler import Sampler, logprobs, make_generator
 from m3lm.scheduler import Scheduler
 
 log = logging.getLogger("m3lm.engine")
@@ -71,6 +71,8 @@ class StepOutput:
     error: str | None = None  # why, when finish_reason is "error"
     num_prefix_cached: int = 0  # prompt tokens found in the prefix cache
     token_texts: list[str] | None = None  # new_text split by token, when there are several
+    # with SamplingParams.prompt_logprobs, on the request's first output: prompt tokens 1, 2, ...
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def extend(self, later: StepOutput) -> StepOutput:
         """This output followed by a later one of the same request, as one output."""
@@ -81,6 +83,7 @@ class StepOutput:
         self.new_logprobs = self.new_logprobs + later.new_logprobs
         self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
         self.num_prefix_cached = later.num_prefix_cached
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         return self
 
 
@@ -247,11 +250,18 @@ class LLMEngine:
         if not plan:
             return []
         tables = [self.blocks.table(seq.seq_id) for seq, _ in plan]
-        ready, logits = self.runner.run(plan, tables)
+        ready, logits, scored = self.runner.run(plan, tables)
         for seq, _ in plan:  # name the pages this step filled, for later prompts with the same prefix
             self.blocks.seal(seq.seq_id, seq.num_cached, seq.tokens)
+        if scored:
+            _score_prompts(logits[len(ready) :], scored)
+            logits = logits[: len(ready)]
+        results = [self._scored_only(s) for s in ready if s.max_tokens == 0]
+        if results:  # prompts scored with nothing to generate: they end without a sample
+            keep = [i for i, s in enumerate(ready) if s.max_tokens > 0]
+            ready, logits = [ready[i] for i in keep], logits[keep]
         if not ready:
-            return []
+            return results
         out = self.sampler(
             logits,
             [s.params for s in ready],
@@ -264,7 +274,6 @@ class LLMEngine:
         token_ids, ok = torch.stack([out.token_ids, finite.to(out.token_ids.dtype)]).tolist()
         lps = _logprobs(out, ready, token_ids)
         now = time.perf_counter()
-        results = []
         for i, seq in enumerate(ready):
             seq.first_token_time = seq.first_token_time or now
             seq.last_token_time = now
@@ -284,10 +293,25 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         return StepOutput(seq.request_id, finished=True, finish_reason="error", seq=seq, error=message)
 
+    def _scored_only(self, seq: Sequence) -> StepOutput:
+        """End a request whose prompt is scored and that generates nothing (max_tokens 0)."""
+        self.scheduler.finish(seq, "length")
+        self.requests.pop(seq.request_id, None)
+        return StepOutput(
+            seq.request_id,
+            finished=True,
+            finish_reason="length",
+            seq=seq,
+            prompt_logprobs=seq.prompt_logprobs,
+        )
+
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> StepOutput:
         p = seq.params
+        first = not seq.output_ids
         seq.output_ids.append(token)
         res = StepOutput(seq.request_id, [token], seq=seq, num_prefix_cached=seq.num_prefix_cached)
+        if first and p.prompt_logprobs is not None:
+            res.prompt_logprobs = seq.prompt_logprobs
         if lp is not None:
             seq.logprobs.append(lp)
             res.new_logprobs.append(lp)
@@ -329,6 +353,24 @@ def _free_bytes(device: torch.device) -> int:
     """Memory the pool can still take: free on the device plus what torch holds unused."""
     held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return torch.cuda.mem_get_info(device)[0] + held
+
+
+def _score_prompts(logits: torch.Tensor, scored: list[tuple[Sequence, range]]) -> None:
+    """Append to each sequence the logprobs of the prompt tokens its rows of `logits` [P, V]
+    score (row j of a sequence: its position at[j], scoring the token after it)."""
+    targets = [seq.prompt_ids[p + 1] for seq, at in scored for p in at]
+    k = max(seq.params.prompt_logprobs for seq, _ in scored)
+    chosen, top_ids, top_lp, ranks = logprobs(
+        logits, torch.tensor(targets, device=logits.device), k, ranks=True
+    )
+    chosen, top_ids, top_lp, ranks = chosen.tolist(), top_ids.tolist(), top_lp.tolist(), ranks.tolist()
+    j = 0
+    for seq, at in scored:
+        kk = seq.params.prompt_logprobs
+        for _ in at:
+            top = list(zip(top_ids[j][:kk], top_lp[j][:kk], strict=True))
+            seq.prompt_logprobs.append(TokenLogprob(targets[j], chosen[j], top, ranks[j]))
+            j += 1
 
 
 def _logprobs(out, ready: list[Sequence], token_ids: list[int]) -> list[TokenLogprob | None]:

@@ -56,6 +56,8 @@ def to_message(out: StepOutput) -> m.Output:
     """The wire form of one request's step output (pure)."""
     seq = out.seq
     lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs] if out.new_logprobs else None
+    plps = out.prompt_logprobs
+    plps = None if plps is None else [(lp.token_id, lp.logprob, lp.top, lp.rank) for lp in plps]
     first = seq is not None and len(seq.output_ids) == len(out.new_token_ids)
     queued = None
     if first and seq.first_scheduled_time is not None:
@@ -68,6 +70,7 @@ def to_message(out: StepOutput) -> m.Output:
         out.error,
         out.num_prefix_cached,
         queued,
+        plps,
     )
 
 

@@ -67,6 +67,9 @@ class Output(msgspec.Struct, array_like=True):
     error: str | None = None
     num_prefix_cached: int = 0
     queued_s: float | None = None  # on a request's first output: its wait before it was scheduled
+    # on a request's first output, when asked: prompt tokens 1, 2, ... as (id, logprob,
+    # alternatives, rank)
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]], int]] | None = None
 
 
 class Stats(msgspec.Struct, array_like=True):

@@ -35,32 +35,37 @@ class ModelRunner:
     @torch.inference_mode()
     def run(
         self, plan: list[tuple[Sequence, int]], tables: list[list[int]]
-    ) -> tuple[list[Sequence], torch.Tensor]:
+    ) -> tuple[list[Sequence], torch.Tensor, list[tuple[Sequence, range]]]:
         """Compute `n` new positions of each planned sequence; returns the sequences that reached
-        their last known token (they sample next) and their fp32 logits [R, V]."""
+        their last known token (they sample next), the fp32 logits [R + P, V] of their last
+        positions and then of the P prompt positions that score a prompt token, and which
+        sequence and positions those P rows are (`Sequence.prompt_rows`)."""
         decode_only = all(n == 1 and s.num_cached == s.num_tokens - 1 for s, n in plan)
         if self.graphs is not None and decode_only and len(plan) <= self.graphs.max_batch:
-            return self._decode(plan, tables)
+            return (*self._decode(plan, tables), [])
         # Single new tokens lead, so that the forward attends to them in one batch.
         order = sorted(range(len(plan)), key=lambda i: plan[i][1] != 1)
         plan, tables = [plan[i] for i in order], [tables[i] for i in order]
-        tokens, q_lens, starts, rows, ready = [], [], [], [], []
+        tokens, q_lens, starts, rows, ready, scored, scored_rows = [], [], [], [], [], [], []
         offset = 0
         for seq, n in plan:
             start = seq.num_cached
             tokens.extend(seq.tokens(start, start + n))
             q_lens.append(n)
             starts.append(start)
+            if at := seq.prompt_rows(start, n):
+                scored.append((seq, at))
+                scored_rows.extend(offset + p - start for p in at)
             offset += n
             if start + n == seq.num_tokens:
                 rows.append(offset - 1)
                 ready.append(seq)
-        step = steps.Step(tokens, q_lens, starts, rows, tables)
+        step = steps.Step(tokens, q_lens, starts, rows + scored_rows, tables)
         steps.send(self.model.parallel, step)
         logits = forward_step(self.model, self.cache, step, self.msa_dense_window, self.table_width)
         for seq, n in plan:
             seq.num_cached += n
-        return ready, logits
+        return ready, logits, scored
 
     def _decode(self, plan, tables) -> tuple[list[Sequence], torch.Tensor]:
         """One new token per sequence: replay the captured graph of the batch's bucket."""

@@ -22,6 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the most likely alternatives, best first
+    rank: int | None = None  # 1 for the most likely token (prompt logprobs carry it)
 
 
 @dataclass(eq=False)
@@ -39,6 +40,7 @@ class Sequence:
     error: str | None = None
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1, 2, ...
     text: str = ""  # emitted text so far (stop strings removed)
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
@@ -63,6 +65,20 @@ class Sequence:
         if start >= p:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt logprobs are asked for and not all computed yet: then every prompt
+        position is computed (no cached prefix), since each one's logits score the next token."""
+        p = self.params.prompt_logprobs is not None
+        return p and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+
+    def prompt_rows(self, start: int, n: int) -> range:
+        """The positions of the chunk [start, start + n) whose logits score a prompt token not
+        scored yet (position p scores token p + 1)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(start + n, len(self.prompt_ids) - 1))
 
     @property
     def finished(self) -> bool:
