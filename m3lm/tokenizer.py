@@ -105,6 +105,22 @@ class Tokenizer:
         self.max_token_chars: int | None = _max_token_chars(hf, backend)
         self._normalizer = backend.normalizer if backend is not None else None
 
+    def info(self, max_model_len: int) -> dict[str, Any]:
+        """What a client needs to tokenize like the server: the special tokens, the class, the
+        chat template and the context length (the server's `/tokenizer_info`)."""
+        hf = self.hf
+        return {
+            "tokenizer_class": type(hf).__name__,
+            "eos_token": hf.eos_token,
+            "bos_token": hf.bos_token,
+            "pad_token": hf.pad_token,
+            "unk_token": hf.unk_token,
+            "eos_token_ids": sorted(self.eos_token_ids),
+            "vocab_size": self.vocab_size,
+            "model_max_length": max_model_len,
+            "chat_template": hf.chat_template if isinstance(hf.chat_template, str) else None,
+        }
+
     def check_fits(self, text: str, max_tokens: int) -> None:
         """Raise ValueError when `text` certainly encodes to more than `max_tokens` tokens, without
         encoding it (a bound from its length); texts that might fit pass."""

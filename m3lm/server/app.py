@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes, auth, limits, errors, and `serve`.
 
-Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /tokenize,
-/detokenize. Every error is an OpenAI error object with a truthful status. The API key guards
+Routes: /v1/chat/completions, /v1/completions, /v1/models[/{id}], /health, /metrics, /tokenize,
+/detokenize, /tokenizer_info. Every error is an OpenAI error object with a truthful status. The API key guards
 every route but /health and is compared in constant time. Model compute runs in the engine
 process (`m3lm.engine.engine_loop`); this one parses, tokenizes, detokenizes and streams.
 """
@@ -118,16 +118,25 @@ def build_app(
             return {"status": "ok"}
         return JSONResponse({"status": "unhealthy", "error": engine.error}, 503)
 
+    created = int(time.time())
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "m3lm"}
+
     @app.get("/v1/models", responses=common)
     async def models():
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "m3lm",
-            "max_model_len": state.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [{**card, "max_model_len": state.max_model_len}]}
+
+    @app.get("/v1/models/{model_id:path}", responses=common)
+    async def model(model_id: str):
+        check_model(model_id)
+        return {**card, "max_model_len": state.max_model_len}
+
+    @app.get("/tokenizer_info", responses=common)
+    async def tokenizer_info():
+        """The tokenizer's special tokens, class and chat template, for clients that tokenize
+        through the server (/tokenize, /detokenize)."""
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer")
+        return tokenizer.info(state.max_model_len)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=common)
     async def prometheus():

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from m3lm.engine.engine import StepOutput
+from m3lm.engine.sequence import TokenLogprob
 from m3lm.server.parsers import finish_reason
 from m3lm.server.reasoning import ReplyParser, to_openai_delta
 from m3lm.server.tools import ContentDelta
@@ -27,6 +28,10 @@ class Choice:
     finish: str | None = None
     stopped_by_string: bool = False
     cached: int = 0  # prompt tokens found in the prefix cache
+    prompt_ids: list[int] | None = None
+    echo: str | None = None  # the prompt's text, to come before the reply (completions' echo)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1, 2, ..., when scored
+    offset: int = 0  # text_offset of the next logprob entry (streaming)
 
     def consume(self, out: StepOutput) -> list[dict]:
         """Deltas for one engine output (each delta is one kind only)."""
@@ -94,15 +99,44 @@ class Choice:
         return msg
 
 
-def token_logprobs(tokenizer, out: StepOutput) -> list[dict]:
-    def entry(tid: int, lp: float) -> dict:
-        text = tokenizer.decode([tid]) if tokenizer is not None else str(tid)
+def _token_text(tokenizer, tid: int) -> str:
+    return tokenizer.decode([tid]) if tokenizer is not None else str(tid)
+
+
+def _entries(tokenizer, lps: list[TokenLogprob]) -> list[dict]:
+    def entry(tid: int, lp: float | None) -> dict:
+        text = _token_text(tokenizer, tid)
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
     return [
-        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-        for lp in out.new_logprobs
+        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
     ]
+
+
+def token_logprobs(tokenizer, out: StepOutput) -> list[dict]:
+    return _entries(tokenizer, out.new_logprobs)
+
+
+def echo_logprobs(tokenizer, c: Choice) -> list[dict]:
+    """Logprob entries of the prompt's tokens: the first has none (nothing scores it)."""
+    first = _token_text(tokenizer, c.prompt_ids[0])
+    head = {"token": first, "logprob": None, "bytes": list(first.encode()), "top_logprobs": None}
+    return [head, *_entries(tokenizer, c.prompt_logprobs or [])]
+
+
+def vllm_prompt_logprobs(tokenizer, c: Choice, k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None, then for each later prompt token a map from token id (as
+    a string) to its logprob, rank and text, for the token and the k most likely ones."""
+
+    def one(lp: TokenLogprob) -> dict:
+        top = {str(t): (v, r) for r, (t, v) in enumerate(lp.top[:k], 1)}
+        top.setdefault(str(lp.token_id), (lp.logprob, lp.rank))
+        return {
+            t: {"logprob": v, "rank": r, "decoded_token": _token_text(tokenizer, int(t))}
+            for t, (v, r) in top.items()
+        }
+
+    return [None, *(one(lp) for lp in c.prompt_logprobs or [])]
 
 
 def usage(prompt_tokens: int, choices: list[Choice], per_prompt: int = 1) -> dict:
@@ -118,11 +152,21 @@ def usage(prompt_tokens: int, choices: list[Choice], per_prompt: int = 1) -> dic
     }
 
 
-def completion_logprobs(c: Choice) -> dict | None:
-    if not c.logprobs:
+def completion_logprobs(entries: list[dict], offset: int = 0) -> dict | None:
+    """The legacy completions `logprobs` object of logprob entries; `text_offset` counts the
+    entries' token texts from `offset` (as the tokens list them)."""
+    if not entries:
         return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
     return {
-        "tokens": [e["token"] for e in c.logprobs],
-        "token_logprobs": [e["logprob"] for e in c.logprobs],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in c.logprobs],
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [
+            None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+            for e in entries
+        ],
+        "text_offset": offsets,
     }

@@ -22,7 +22,14 @@ from starlette.concurrency import run_in_threadpool
 from m3lm.core import SamplingParams
 from m3lm.engine.async_engine import AsyncEngine, EngineDead, Interrupted, QueueFull, RequestStream
 from m3lm.engine.engine import StepOutput
-from m3lm.server.choice import Choice, completion_logprobs, token_logprobs, usage
+from m3lm.server.choice import (
+    Choice,
+    completion_logprobs,
+    echo_logprobs,
+    token_logprobs,
+    usage,
+    vllm_prompt_logprobs,
+)
 from m3lm.server.metrics import Metrics
 from m3lm.server.parsers import plan_tool_choice, template_messages
 from m3lm.server.protocol import ChatCompletionRequest, CompletionRequest, Limits, error_body
@@ -186,8 +193,12 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
             tok.chat_prompt, messages, tools, True, req.chat_template_kwargs, state.max_prompt_tokens
         )
         # Unset: until the context ends, as vLLM does (the engine clamps to what is left).
-        max_tokens = req.max_completion_tokens or req.max_tokens or state.max_model_len
-        params = req.sampling(state.defaults, max_tokens, req.requested_logprobs(), [])
+        max_tokens = next(
+            (m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), state.max_model_len
+        )
+        params = req.sampling(
+            state.defaults, max_tokens, req.requested_logprobs(), [], prompt_logprobs=req.prompt_logprobs
+        )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     streams = submit(state, prompt_ids, params, req.n)
@@ -225,7 +236,14 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
                 tok.check_fits(p, state.max_prompt_tokens)
                 p = await run_in_threadpool(tok.encode, p)
             ids.append(list(p))
-        params = req.sampling(state.defaults, req.max_tokens or 16, req.logprobs, req.stops())
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        params = req.sampling(
+            state.defaults, max_tokens, req.logprobs, req.stops(), prompt_logprobs=req.scored_prompt()
+        )
+        # echo: the prompt's text as given, or as its ids decode
+        echoes = (
+            [p if isinstance(p, str) else tok.decode(p) if tok else "" for p in prompts] if req.echo else None
+        )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     streams: list[RequestStream] = []
@@ -235,7 +253,10 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
     except ApiError:
         _abort(streams)
         raise
-    choices = [Choice(i, None) for i in range(len(streams))]
+    choices = [
+        Choice(i, None, prompt_ids=ids[i // req.n], echo=echoes[i // req.n] if echoes else None)
+        for i in range(len(streams))
+    ]
     return await _respond(state, req, request, streams, choices, sum(len(p) for p in ids), chat=False)
 
 
@@ -257,6 +278,7 @@ async def _respond(state, req, request, streams, choices, prompt_tokens, chat: b
                 "message": c.message(),
                 "logprobs": {"content": c.logprobs} if c.logprobs else None,
                 "finish_reason": c.finish,
+                **_prompt_logprobs_field(state, req, c),
             }
             for c in choices
         ]
@@ -271,10 +293,14 @@ async def _respond(state, req, request, streams, choices, prompt_tokens, chat: b
     body = [
         {
             "index": c.index,
-            "text": "".join(c.content),
-            "logprobs": completion_logprobs(c),
+            "text": (c.echo or "") + "".join(c.content),
+            "logprobs": completion_logprobs(
+                (echo_logprobs(state.tokenizer, c) if req.echo and req.logprobs is not None else [])
+                + c.logprobs
+            ),
             "finish_reason": c.finish,
             **({"token_ids": c.token_ids} if ids else {}),
+            **_prompt_logprobs_field(state, req, c),
         }
         for c in choices
     ]
@@ -319,6 +345,7 @@ async def _collect(state: ServerState, streams: list[RequestStream], choices: li
             c.consume(out)
             if state.tokenizer is not None and out.new_logprobs:
                 c.logprobs += token_logprobs(state.tokenizer, out)
+            c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
             if c.stopped_by_string:
                 streams[i].abort()
     except EngineDead as e:
@@ -327,6 +354,13 @@ async def _collect(state: ServerState, streams: list[RequestStream], choices: li
         raise ApiError(503, str(e), "service_unavailable") from None
     for c in choices:
         c.finish = c.finish or "abort"
+
+
+def _prompt_logprobs_field(state: ServerState, req, c: Choice) -> dict:
+    """vLLM's `prompt_logprobs` of a choice, when the request asked for it."""
+    if req.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": vllm_prompt_logprobs(state.tokenizer, c, req.prompt_logprobs)}
 
 
 def _check(out: StepOutput) -> None:
@@ -371,6 +405,13 @@ async def _stream(
             if c.finish is not None:
                 continue
             _check(out)
+            if c.echo is not None:  # the prompt first: its text, and its tokens' logprobs if asked
+                c.prompt_logprobs = out.prompt_logprobs
+                head = echo_logprobs(state.tokenizer, c) if c.prompt_logprobs is not None else []
+                extra = {"logprobs": completion_logprobs(head, c.offset)} if head else {}
+                c.offset += sum(len(e["token"]) for e in head)
+                yield chunk(i, {"text": c.echo, **extra})
+                c.echo = None
             lps = token_logprobs(state.tokenizer, out) if out.new_logprobs else []
             deltas = c.consume(out)
             if (lps or (ids and out.new_token_ids)) and not deltas:
@@ -378,9 +419,8 @@ async def _stream(
             for j, d in enumerate(deltas):
                 extra = {"token_ids": out.new_token_ids} if ids and j == 0 else {}
                 if lps and j == 0:
-                    extra["logprobs"] = (
-                        {"content": lps} if chat else completion_logprobs(Choice(0, None, logprobs=lps))
-                    )
+                    extra["logprobs"] = {"content": lps} if chat else completion_logprobs(lps, c.offset)
+                    c.offset += sum(len(e["token"]) for e in lps)
                 yield chunk(i, {"delta": d, **extra} if chat else {"text": d.get("content", ""), **extra})
             if c.stopped_by_string:
                 streams[i].abort()

@@ -102,7 +102,7 @@ class _Request(_Body):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: only with echo or prompt_logprobs
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=SamplingParams.INT64_RANGE[0], le=SamplingParams.INT64_RANGE[1])
@@ -122,6 +122,7 @@ class _Request(_Body):
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's: each prompt token's logprob + top k
 
     def warn_unknown(self) -> None:
         """One log line for the unknown fields not logged before (remembering a bounded number)."""
@@ -146,6 +147,12 @@ class _Request(_Body):
             raise ValueError(f"{len(stops)} stop strings exceed the limit of {limits.max_stop}")
         if any(len(s) > limits.max_stop_chars for s in stops):
             raise ValueError(f"stop strings are limited to {limits.max_stop_chars} characters")
+        if (self.prompt_logprobs or 0) > limits.max_top_logprobs:
+            raise ValueError(
+                f"prompt_logprobs = {self.prompt_logprobs} exceeds the limit of {limits.max_top_logprobs}"
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream = true")
         if len(self.stop_token_ids or []) > 256:
             raise ValueError("at most 256 stop_token_ids")
         if self.response_format is not None and self.response_format != {"type": "text"}:
@@ -161,7 +168,12 @@ class _Request(_Body):
         return tuple(pairs)
 
     def sampling(
-        self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, stops: list[str]
+        self,
+        defaults: SamplingParams,
+        max_tokens: int | None,
+        logprobs: int | None,
+        stops: list[str],
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         fields = {
             "max_tokens": max_tokens,
@@ -187,6 +199,7 @@ class _Request(_Body):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.bias(),
             cache_salt=self.cache_salt,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -267,12 +280,18 @@ class CompletionRequest(_Request):
         super().check_limits(limits)
         if (self.logprobs or 0) > limits.max_top_logprobs:
             raise ValueError(f"logprobs = {self.logprobs} exceeds the limit of {limits.max_top_logprobs}")
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.best_of not in (None, 1):
             raise ValueError("best_of is not supported (only 1); use n for several choices")
         if self.suffix:
             raise ValueError("suffix is not supported: this model does not fill in the middle")
+
+    def scored_prompt(self) -> int | None:
+        """How many alternatives to score each prompt token with (None: no prompt scoring):
+        for prompt_logprobs, for echo with logprobs, and for echo alone with max_tokens 0."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        if not asked and self.echo and self.max_tokens == 0:
+            asked = [0]
+        return max(asked, default=None)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
