@@ -130,8 +130,8 @@ class Tokenizer:
         n = len(self._normalizer.normalize_str(text)) if self._normalizer is not None else len(text)
         if n > max_tokens * per:
             raise ValueError(
-                f"the prompt ({len(text)} characters) cannot fit in {max_tokens} tokens "
-                f"(no token of this tokenizer spans more than {per} characters)"
+                f"the prompt ({len(text)} characters) exceeds the maximum context length: it cannot "
+                f"fit in {max_tokens} tokens (no token of this tokenizer spans more than {per} characters)"
             )
 
     def encode(self, text: str, *, parse_special: bool = True) -> list[int]:

@@ -122,11 +122,15 @@ class RequestStream:
         if not self.finished:
             self.abort()
 
-    def abort(self) -> None:
+    def abort(self, completed: bool = False) -> None:
+        """End the request now; `completed`: its reply is whole (a stop string the server found
+        ended it), so it counts in the end-to-end latency as a finished request does."""
         if not self.finished:
             self.finished = True
             self.owner.abort(self.request_id)
             self._put(_END)
+            if completed and self.owner.metrics is not None:
+                self.owner.metrics.observe_end(self, time.perf_counter())
 
     def _put(self, item) -> None:
         self._items.append(item)

@@ -338,8 +338,9 @@ def validate_request(
         raise ValueError("the prompt is empty")
     if len(prompt_ids) >= max_model_len:
         raise ValueError(
-            f"the prompt has {len(prompt_ids)} tokens; the context holds {max_model_len} "
-            "(prompt plus at least one generated token)"
+            f"this model's maximum context length is {max_model_len} tokens and the prompt has "
+            f"{len(prompt_ids)}: the context holds {max_model_len} (prompt plus at least one "
+            "generated token)"
         )
     bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
     if bad is not None:

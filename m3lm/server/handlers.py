@@ -347,7 +347,7 @@ async def _collect(state: ServerState, streams: list[RequestStream], choices: li
                 c.logprobs += token_logprobs(state.tokenizer, out)
             c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
             if c.stopped_by_string:
-                streams[i].abort()
+                streams[i].abort(completed=True)
     except EngineDead as e:
         raise ApiError(500, f"the engine stopped: {e}", "internal_error") from None
     except Interrupted as e:
@@ -423,7 +423,7 @@ async def _stream(
                     c.offset += sum(len(e["token"]) for e in lps)
                 yield chunk(i, {"delta": d, **extra} if chat else {"text": d.get("content", ""), **extra})
             if c.stopped_by_string:
-                streams[i].abort()
+                streams[i].abort(completed=True)
             if c.finish is not None:
                 yield chunk(i, {"delta": {}} if chat else {"text": ""}, c.finish)
         if include_usage:

@@ -87,7 +87,11 @@ class Metrics:
             else:
                 self.itl.labels(m).observe(now - previous)
         if out.finished:
-            self.e2e.labels(m).observe(now - stream.arrival)
+            self.observe_end(stream, now)
+
+    def observe_end(self, stream, now: float) -> None:
+        """A request's reply ended at `now` (the engine finished it, or a stop string did)."""
+        self.e2e.labels(self.name).observe(now - stream.arrival)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

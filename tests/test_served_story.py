@@ -1,5 +1,8 @@
-"""Echo and prompt logprobs over real HTTP (lm-eval's loglikelihood requests), `/tokenizer_info`
-and `/v1/models/{id}`, against the embedded model in fp32 on the CPU."""
+"""The server on the embedded model in fp32 on the CPU, over real HTTP: echo and prompt logprobs
+(lm-eval's loglikelihood requests), `/tokenizer_info`, `/v1/models/{id}`, and the conventions
+clients look for (context-length errors, the end-to-end latency of every finished reply)."""
+
+import re
 
 import httpx
 import openai
@@ -126,3 +129,30 @@ def test_models_retrieve_and_tokenizer_info(served, client):
     ids = httpx.post(server.url + "/tokenize", json={"prompt": info["eos_token"]}, headers=headers).json()
     assert ids["tokens"] == [tok.hf.eos_token_id]
     assert httpx.get(server.url + "/tokenizer_info").status_code == 401
+
+
+def test_too_long_prompts_read_as_context_length_errors(client):
+    """Clients (litellm, LangChain) recognise a context overflow by vLLM's wording."""
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
+        client.completions.create(model=NAME, prompt=[5] * 300, max_tokens=1)
+    assert "300" in str(e.value)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=NAME, prompt="once upon a time " * 2000, max_tokens=1)
+
+
+def e2e_count(server) -> float:
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    return float(re.search(r"^m3lm:e2e_request_latency_seconds_count\S* (\S+)$", text, re.M)[1])
+
+
+def test_a_reply_ended_by_a_stop_string_counts_in_the_latency(served, client):
+    server = served[0]
+    msgs = [{"role": "user", "content": "Tell me a story about a dog."}]
+    kw = {"model": NAME, "messages": msgs, "max_tokens": 24, "temperature": 0}
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    stop = whole[6:10]
+    assert len(stop) == 4 and whole.index(stop) == 6
+    before = e2e_count(server)
+    cut = client.chat.completions.create(stop=[stop], **kw).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == whole[:6]
+    assert e2e_count(server) == before + 1
