@@ -166,6 +166,12 @@ def _parse_m3_body(body: str, schema: Any, literal: dict[int, str]) -> dict[str,
             if len(stack) > MAX_DEPTH:
                 raise _Malformed(f"elements nested deeper than {MAX_DEPTH}")
             stack.append(_Element(name, child_schema(stack[-1].schema, name)))
+        elif len(stack) == 1 and not root.children and "".join(root.text).strip():
+            # The first parameter's opening tag elided (M3 does this at times): the text before
+            # its closing tag is its value, so the call is kept rather than skipped.
+            value = _Element(name, child_schema(schema, name), ["".join(root.text).lstrip()])
+            root.text = []
+            root.children.append((name, _close_element(value, literal)))
         elif len(stack) == 1 or stack[-1].name != name:
             raise _Malformed(f"unexpected </{name}>")
         else:
