@@ -1,25 +1,41 @@
-"""m3lm: an exact and fast inference engine for MiniMax-M3."""
+"""m3lm: an exact and fast inference engine for MiniMax-M3.
+
+The public names are imported on first use, so that `m3lm --help` and `m3lm --version` answer
+without loading torch; inside the package, modules import from the module that defines a name.
+"""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING
 
-import torch
+from m3lm.assets import DEFAULT_MODEL
+from m3lm.version import __version__
 
-from m3lm.config import EngineConfig, ModelArgs
-from m3lm.core import SamplingParams
-from m3lm.distributed.parallel import SINGLE, ParallelConfig
-from m3lm.errors import CheckpointError, ConfigError, M3lmError
-from m3lm.generate import GenerationResult, generate, session_engine, stream_generate
-from m3lm.loader import check_dir, load_model
-from m3lm.models.minimax_m3 import MiniMaxM3
+if TYPE_CHECKING:
+    from m3lm.config import EngineConfig, ModelArgs
+    from m3lm.core import SamplingParams
+    from m3lm.errors import CheckpointError, ConfigError, M3lmError
+    from m3lm.generation import GenerationResult, generate, session_engine, stream_generate
+    from m3lm.loader import load, load_model, read_generation_config
+    from m3lm.models.minimax_m3 import MiniMaxM3
 
-__version__ = "0.1.0"
-# The embedded default model: a 10M-parameter MiniMax-M3 (MSA + MoE) trained on short stories.
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "story"
+_HOMES = {
+    "EngineConfig": "m3lm.config",
+    "ModelArgs": "m3lm.config",
+    "SamplingParams": "m3lm.core",
+    "CheckpointError": "m3lm.errors",
+    "ConfigError": "m3lm.errors",
+    "M3lmError": "m3lm.errors",
+    "GenerationResult": "m3lm.generation",
+    "generate": "m3lm.generation",
+    "session_engine": "m3lm.generation",
+    "stream_generate": "m3lm.generation",
+    "load": "m3lm.loader",
+    "load_model": "m3lm.loader",
+    "read_generation_config": "m3lm.loader",
+    "MiniMaxM3": "m3lm.models.minimax_m3",
+}
 __all__ = [
     "DEFAULT_MODEL",
     "CheckpointError",
@@ -30,58 +46,24 @@ __all__ = [
     "MiniMaxM3",
     "ModelArgs",
     "SamplingParams",
+    "__version__",
     "generate",
     "load",
     "load_model",
+    "read_generation_config",
     "session_engine",
     "stream_generate",
 ]
 
 
-def load(
-    path: str | Path,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | str | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    quant: str | None = "auto",
-    parallel: ParallelConfig = SINGLE,
-    load_format: str = "auto",
-    skip_tokenizer_init: bool = False,
-) -> tuple[MiniMaxM3, Any]:
-    """Load a local checkpoint directory: returns (model, tokenizer or None).
-
-    `quant`: "auto" keeps an MXFP8 checkpoint's weights in 8 bits on a GPU, "mxfp8" always
-    (quantising a bf16/fp32 checkpoint at load), "none" dequantises. With `parallel` (a rank of
-    a tensor-parallel group) the model is that rank's shard, 8-bit where the weights are.
-    The model carries the checkpoint's generation_config.json as `model.generation_config`
-    (sampling defaults and EOS ids). `load_format="dummy"` builds the model from config.json
-    alone with seeded random weights made on the device (`m3lm.loader.random_weights_`); with
-    `skip_tokenizer_init` the tokenizer is None (token ids in and out).
-    """
-    from m3lm.tokenizer import load_tokenizer
-
-    path = check_dir(path)
-    model = load_model(
-        path,
-        device=device,
-        dtype=dtype,
-        progress=progress,
-        quant=quant,
-        parallel=parallel,
-        load_format=load_format,
-    )
-    model.generation_config = read_generation_config(path)
-    return model, None if skip_tokenizer_init else load_tokenizer(path)
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'm3lm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
 
 
-def read_generation_config(path: Path) -> dict:
-    f = Path(path) / "generation_config.json"
-    if not f.is_file():
-        return {}
-    try:
-        data = json.loads(f.read_text())
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{f}: not valid JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{f}: must hold a JSON object")
-    return data
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

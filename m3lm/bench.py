@@ -342,7 +342,7 @@ def _gb(sizes: dict[str, int]) -> str:
 def run(args) -> tuple[list[Row], list[str]]:
     """Rows of every variant in `args.quant` (bf16 first: the mxfp8 variant quantises in place)."""
     torch.backends.cuda.matmul.allow_tf32 = True
-    from m3lm.bench_attention import bench_attention  # imports this module
+    from m3lm.bench_attention import bench_attention
 
     quants = args.quant
     if quants not in (["bf16"], ["mxfp8"], ["bf16", "mxfp8"]):
@@ -379,7 +379,10 @@ def run(args) -> tuple[list[Row], list[str]]:
         if quant == quants[0]:
             first_rows = rows[first:]
             for t in args.attention:
-                for row in bench_attention(model, t, max(3, args.iters // 5)):
+                for case, ms, tokens, flops, dense_ms in bench_attention(
+                    model, t, max(3, args.iters // 5), _time
+                ):
+                    row = Row(case, ms, tokens, 0.0, flops, ref_ms=dense_ms)
                     rows.append(row)
                     print(" | ".join(row.cells()), "(reference column: dense flash attention)", flush=True)
     if len(quants) == 2:
@@ -408,11 +411,7 @@ def run(args) -> tuple[list[Row], list[str]]:
 
 
 def _compare(cfg: dict, args, rows: list[Row]) -> None:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import hf_reference
+    from m3lm import bench_hf as hf_reference
 
     hf = hf_reference.build_hf_slice(hf_reference.slice_config(cfg), "cuda")
     specs = [("d", b, c) for b, c in args.decode] + [("p", 1, t) for t in args.prefill]

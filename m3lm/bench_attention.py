@@ -11,7 +11,6 @@ import math
 
 import torch
 
-from m3lm.bench import Row, _time
 from m3lm.models.minimax_m3 import MiniMaxM3
 
 
@@ -39,9 +38,12 @@ def selection(kind: str, k: int, length: int, s: int, a, gen: torch.Generator) -
     return msa_select(iq, ik, pos, s, a.index_topk_blocks, a.index_local_blocks, a.index_init_blocks, 0)
 
 
-def bench_attention(model: MiniMaxM3, length: int, iters: int) -> list[Row]:
+def bench_attention(
+    model: MiniMaxM3, length: int, iters: int, timer
+) -> list[tuple[str, float, int, float, float]]:
     """One sparse layer's attention at `length` tokens: the block-sparse Triton prefill kernel
-    against dense causal flash attention (SDPA) on the same q, k, v, for two kinds of selection."""
+    against dense causal flash attention (SDPA) on the same q, k, v, for two kinds of selection.
+    Rows of (case, ms, tokens, FLOPs, dense ms); `timer(fn, iters)` gives a call's median ms."""
     from m3lm.kernels.msa_prefill_triton import ROWS, msa_prefill_attention
     from m3lm.kernels.msa_tiles import group_queries, tile_blocks
 
@@ -55,14 +57,14 @@ def bench_attention(model: MiniMaxM3, length: int, iters: int) -> list[Row]:
     kd, vd = (t.permute(1, 0, 2)[None].repeat_interleave(h // k, dim=1) for t in (kk, vv))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-        dense_ms = _time(lambda: sdpa(qd, kd, vd, is_causal=True), iters)
+        dense_ms = timer(lambda: sdpa(qd, kd, vd, is_causal=True), iters)
     keys = sum(min(t + 1, a.dense_window) for t in range(0, length, 64)) * 64
     rows = []
     for kind in ("drift", "random"):
         sel = selection(kind, k, length, s, a, gen)
         bq = max(1, ROWS // (h // k))
         union = float(tile_blocks(sel, bq, -(-length // s), group_queries(sel, bq))[1].float().mean())
-        ms = _time(lambda: msa_prefill_attention(q, kk, vv, pos, d**-0.5, sel, s, 0), iters)  # noqa: B023
+        ms = timer(lambda: msa_prefill_attention(q, kk, vv, pos, d**-0.5, sel, s, 0), iters)  # noqa: B023
         case = f"MSA attention T={length}, {kind} selection ({union:.1f} blocks per tile)"
-        rows.append(Row(case, ms, length, 0.0, 4 * keys * h * d, ref_ms=dense_ms))
+        rows.append((case, ms, length, 4 * keys * h * d, dense_ms))
     return rows

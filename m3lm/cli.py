@@ -23,7 +23,7 @@ FAMILIES = [
 
 
 def cmd_list(_: argparse.Namespace) -> int:
-    from m3lm import DEFAULT_MODEL
+    from m3lm.assets import DEFAULT_MODEL
 
     cols = ["model_type", "architecture", "msa", "moe", "quantized"]
     heads = {c: c.upper() for c in cols}
@@ -48,8 +48,8 @@ def cpu_threads(requested: int | None, device_type: str, cpu_count: int | None) 
 def _load(args: argparse.Namespace):
     """(model, tokenizer, group or None); None on a follower rank under torchrun, which has
     already served rank 0's steps by the time it returns."""
-    import m3lm
     from m3lm.distributed.launch import launch, under_torchrun
+    from m3lm.loader import load
 
     bar = None
 
@@ -77,7 +77,7 @@ def _load(args: argparse.Namespace):
             return launch(
                 args.model, tp, ep, device=args.device, dtype=args.dtype, progress=progress, quant=args.quant
             )
-        loaded = m3lm.load(
+        loaded = load(
             args.model,
             device=args.device,
             dtype=args.dtype,
@@ -109,7 +109,7 @@ def _template_kwargs(args: argparse.Namespace) -> dict:
 
 def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -> str:
     """Stream one reply to stdout; return its text. Stats go to stderr."""
-    from m3lm.generate import peak_memory_bytes, stream_generate
+    from m3lm.generation import peak_memory_bytes, stream_generate
 
     start, first, text, n_prompt, n_gen, cached = time.perf_counter(), None, [], 0, 0, 0
     for chunk in stream_generate(
@@ -194,7 +194,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _chat(model, tokenizer, args: argparse.Namespace) -> int:
-    from m3lm.generate import session_engine
+    from m3lm.generation import session_engine
 
     if tokenizer is None or not tokenizer.has_chat_template:
         raise M3lmError(f"{args.model} has no tokenizer with a chat template")
@@ -387,7 +387,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _default_model(args: argparse.Namespace) -> None:
     if getattr(args, "model", "") is None:
-        from m3lm import DEFAULT_MODEL
+        from m3lm.assets import DEFAULT_MODEL
 
         args.model = str(DEFAULT_MODEL)
 
@@ -399,13 +399,13 @@ def version() -> str:
     try:
         return metadata.version("m3lm")
     except metadata.PackageNotFoundError:
-        import m3lm
+        from m3lm.version import __version__
 
-        return getattr(m3lm, "__version__", "unknown")
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from m3lm.generate import SESSION_CONTEXT
+    from m3lm.generation import SESSION_CONTEXT
 
     parser = argparse.ArgumentParser(prog="m3lm", description="Run MiniMax-M3 models.")
     parser.add_argument("--version", action="version", version=f"m3lm {version()}")

@@ -48,9 +48,9 @@ class LLM:
         skip_tokenizer_init: bool = False,
         **engine_kwargs: Any,
     ):
-        import m3lm
+        from m3lm.loader import load
 
-        self.model, self.tokenizer = m3lm.load(
+        self.model, self.tokenizer = load(
             model,
             device=device,
             dtype=dtype,

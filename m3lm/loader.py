@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -372,3 +373,52 @@ def load_model(
         ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sizes.items()),
     )
     return model.eval().requires_grad_(False)
+
+
+def load(
+    path: str | Path,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    quant: str | None = "auto",
+    parallel: ParallelConfig = SINGLE,
+    load_format: str = "auto",
+    skip_tokenizer_init: bool = False,
+) -> tuple[MiniMaxM3, Any]:
+    """Load a local checkpoint directory: returns (model, tokenizer or None).
+
+    `quant`: "auto" keeps an MXFP8 checkpoint's weights in 8 bits on a GPU, "mxfp8" always
+    (quantising a bf16/fp32 checkpoint at load), "none" dequantises. With `parallel` (a rank of
+    a tensor-parallel group) the model is that rank's shard, 8-bit where the weights are.
+    The model carries the checkpoint's generation_config.json as `model.generation_config`
+    (sampling defaults and EOS ids). `load_format="dummy"` builds the model from config.json
+    alone with seeded random weights made on the device (`m3lm.loader.random_weights_`); with
+    `skip_tokenizer_init` the tokenizer is None (token ids in and out).
+    """
+    from m3lm.tokenizer import load_tokenizer  # transformers: only when a tokenizer is loaded
+
+    path = check_dir(path)
+    model = load_model(
+        path,
+        device=device,
+        dtype=dtype,
+        progress=progress,
+        quant=quant,
+        parallel=parallel,
+        load_format=load_format,
+    )
+    model.generation_config = read_generation_config(path)
+    return model, None if skip_tokenizer_init else load_tokenizer(path)
+
+
+def read_generation_config(path: Path) -> dict:
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return {}
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{f}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{f}: must hold a JSON object")
+    return data

@@ -279,7 +279,7 @@ def test_session_engine_reuses_earlier_prompts_and_stays_usable(tiny):
     """`stream_generate(..., engine=session_engine(...))`: a prompt that extends an earlier
     request starts on its cached pages and gives the tokens of a fresh engine; a consumer that
     stops early leaves the engine idle for the next request; a prompt past its context is refused."""
-    from m3lm.generate import session_engine, stream_generate
+    from m3lm.generation import session_engine, stream_generate
 
     page = tiny.args.index_block_size
     engine = session_engine(tiny, max_model_len=64)

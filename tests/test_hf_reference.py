@@ -6,7 +6,7 @@ from checkpoints import Spec, hf_text_config
 
 pytest.importorskip("transformers")
 
-from benchmarks.hf_reference import (
+from m3lm.bench_hf import (
     _experts_implementations,
     build_hf_slice,
     time_hf_decode,

@@ -119,9 +119,9 @@ class Group:
 
 
 def _load(model_dir: str, dev: torch.device, dtype: Any, quant: str, pc: ParallelConfig, progress=None):
-    import m3lm
+    from m3lm.loader import load
 
-    return m3lm.load(model_dir, device=dev, dtype=dtype, progress=progress, quant=quant, parallel=pc)
+    return load(model_dir, device=dev, dtype=dtype, progress=progress, quant=quant, parallel=pc)
 
 
 def _follow(model_dir: str, dev: torch.device, dtype: Any, quant: str, pc: ParallelConfig) -> None:

@@ -176,9 +176,9 @@ def build_engine(spec: EngineSpec):
             quant=spec.quant,
         )
     else:
-        import m3lm
+        from m3lm.loader import load
 
-        model, _ = m3lm.load(
+        model, _ = load(
             spec.model_dir,
             spec.device,
             spec.dtype,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-MX_BLOCK = 32
+from m3lm.kernels.mx_block import MX_BLOCK as MX_BLOCK
 
 
 def dequant_mxfp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from m3lm.kernels.fp8 import MX_BLOCK
 from m3lm.kernels.host import interpreted, precision, sm_count
+from m3lm.kernels.mx_block import MX_BLOCK
 
 
 class Config(NamedTuple):

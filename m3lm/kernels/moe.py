@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from m3lm.layers.mlp import swiglu_oai
+from m3lm.kernels.activation import swiglu_oai
 
 
 def moe_experts_ref(

@@ -5,22 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from m3lm.kernels.activation import swiglu_oai as swiglu_oai
+from m3lm.kernels.activation import swiglu_oai_ref as swiglu_oai_ref
 from m3lm.layers.linear import packed_linear, packed_rows
-
-
-def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """`min(g, limit) * sigmoid(alpha * g) * (clamp(u, -limit, limit) + 1)`: gate clamped from above only."""
-    if gate.is_cuda:
-        from m3lm.kernels import fused
-
-        return fused.swiglu_oai(gate, up, alpha, limit)
-    return swiglu_oai_ref(gate, up, alpha, limit)
-
-
-def swiglu_oai_ref(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    g = gate.clamp(max=limit)
-    u = up.clamp(min=-limit, max=limit)
-    return g * torch.sigmoid(alpha * g) * (u + 1.0)
 
 
 class MLP(nn.Module):

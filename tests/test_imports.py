@@ -1,0 +1,155 @@
+"""The package's import contract, read from the source with `ast` (nothing is imported).
+
+- No import circle between m3lm's modules, counting imports inside functions too.
+- `m3lm/kernels/` imports only itself, `m3lm.core` and `m3lm.errors`: no model, layer or engine.
+- No module of the package imports the package root (`import m3lm`, `from m3lm import NAME`):
+  the root only re-exports, so a module imports a name from the module that defines it.
+- No `sys.path` edit in the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "m3lm"
+KERNELS_MAY_IMPORT = ("kernels", "core", "errors")  # under the package
+
+
+def module_files(root: Path = PACKAGE) -> dict[str, Path]:
+    mods = {}
+    for f in sorted(root.rglob("*.py")):
+        parts = list(f.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = f
+    return mods
+
+
+def imports(tree: ast.AST, modules: dict[str, Path], pkg: str) -> list[tuple[str, int, bool]]:
+    """(module imported, line, binds the package root) for every import of `pkg` in the tree."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == pkg:
+                    out.append((alias.name, node.lineno, alias.asname is None))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] != pkg:
+                continue
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                if sub in modules:
+                    out.append((sub, node.lineno, False))
+                else:
+                    out.append((node.module, node.lineno, node.module == pkg))
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            out.append(("<relative>", node.lineno, False))
+    return out
+
+
+def sys_path_edits(tree: ast.AST) -> list[int]:
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "path"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "sys"
+    ]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        found.append(sorted(comp))
+    return found
+
+
+def contract_violations(root: Path = PACKAGE) -> list[str]:
+    pkg = root.name
+    kernels_may_import = tuple(f"{pkg}.{m}" for m in KERNELS_MAY_IMPORT)
+    modules = module_files(root)
+    graph: dict[str, set[str]] = {}
+    bad = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(root.parent)
+        graph[name] = set()
+        for target, line, binds_root in imports(tree, modules, pkg):
+            if target == "<relative>":
+                bad.append(f"{where}:{line}: relative import (write the module's full name)")
+                continue
+            if binds_root and name != pkg:
+                bad.append(f"{where}:{line}: imports the package root; import from the defining module")
+            if name.startswith(f"{pkg}.kernels") and not target.startswith(kernels_may_import):
+                bad.append(f"{where}:{line}: kernels/ imports {target} (only kernels, core, errors)")
+            if target in modules and target != name:
+                graph[name].add(target)
+        bad += [f"{where}:{line}: sys.path edit" for line in sys_path_edits(tree)]
+    bad += ["import circle: " + " <-> ".join(c) for c in cycles(graph)]
+    return bad
+
+
+def test_the_package_keeps_its_import_contract():
+    assert contract_violations() == []
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"a.py": "import p.b\n", "b.py": "def f():\n    from p import a\n"}, "import circle: p.a <-> p.b"),
+        (
+            {"kernels/__init__.py": "", "kernels/k.py": "from p.models import m\n"},
+            "kernels/ imports p.models",
+        ),
+        ({"a.py": "import p\n"}, "imports the package root"),
+        ({"a.py": "from p import thing\n"}, "imports the package root"),
+        ({"a.py": "import sys\nsys.path.insert(0, 'x')\n"}, "sys.path edit"),
+        ({"a.py": "from . import b\n", "b.py": ""}, "relative import"),
+    ],
+)
+def test_the_contract_check_finds_each_kind_of_breach(tmp_path, files, expected):
+    """The checker itself, on a small package `p` that breaks one rule at a time."""
+    pkg = tmp_path / "p"
+    for rel, text in {"__init__.py": "", **files}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    found = contract_violations(pkg)
+    assert any(expected in line for line in found), found
