@@ -10,9 +10,13 @@
 from __future__ import annotations
 
 import ast
+import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 PACKAGE = Path(__file__).resolve().parents[1] / "m3lm"
 KERNELS_MAY_IMPORT = ("kernels", "core", "errors")  # under the package
@@ -153,3 +157,30 @@ def test_the_contract_check_finds_each_kind_of_breach(tmp_path, files, expected)
         (pkg / rel).write_text(text)
     found = contract_violations(pkg)
     assert any(expected in line for line in found), found
+
+
+def third_party_imports(root: Path = PACKAGE) -> set[str]:
+    """Top-level names of everything the package imports from outside itself and the stdlib."""
+    names = set()
+    for path in module_files(root).values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n not in ("__future__", root.name)}
+
+
+def test_pyproject_lists_every_distribution_the_package_imports():
+    """A plain `pip install m3lm` brings everything the package imports (Triton comes with
+    torch's CUDA build, and only the GPU kernels import it)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    listed = {canonicalize_name(Requirement(r).name) for r in pyproject["project"]["dependencies"]}
+    dists = metadata.packages_distributions()
+    missing = {}
+    for name in third_party_imports() - {"triton"}:
+        found = {canonicalize_name(d) for d in dists.get(name, [name])}
+        if not found & listed:
+            missing[name] = sorted(found)
+    assert missing == {}
