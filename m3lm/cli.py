@@ -10,6 +10,7 @@ import sys
 import time
 
 from m3lm.errors import M3lmError
+from m3lm.threads import quiet_waits
 
 FAMILIES = [
     {
@@ -35,21 +36,12 @@ def cmd_list(_: argparse.Namespace) -> int:
     return 0
 
 
-def cpu_threads(requested: int | None, device_type: str, cpu_count: int | None) -> int | None:
-    """Threads for torch's CPU kernels, or None to leave torch alone (off the CPU).
-
-    The default is a few threads, not one per core: decode is bound by memory bandwidth, which a
-    few threads already use up, and on a busy machine every extra thread waits on the slowest."""
-    if device_type != "cpu":
-        return None
-    return requested if requested is not None else min(4, cpu_count or 1)
-
-
 def _load(args: argparse.Namespace):
     """(model, tokenizer, group or None); None on a follower rank under torchrun, which has
     already served rank 0's steps by the time it returns."""
     from m3lm.distributed.launch import launch, under_torchrun
     from m3lm.loader import load
+    from m3lm.threads import use_threads
 
     bar = None
 
@@ -61,22 +53,18 @@ def _load(args: argparse.Namespace):
             bar = tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr, leave=False)
         bar.update(done - bar.n)
 
-    from m3lm.loader import resolve_device
-
-    threads = cpu_threads(args.threads, resolve_device(args.device).type, os.cpu_count())
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
     tp = getattr(args, "tensor_parallel_size", 1)
     try:
         if tp > 1 or under_torchrun():
             if args.load_format != "auto" or args.skip_tokenizer_init:
                 raise M3lmError("--load-format dummy and --skip-tokenizer-init need --tensor-parallel-size 1")
             ep = args.expert_parallel
-            return launch(
+            loaded = launch(
                 args.model, tp, ep, device=args.device, dtype=args.dtype, progress=progress, quant=args.quant
             )
+            if loaded is not None:
+                use_threads(loaded[0], args.threads)
+            return loaded
         loaded = load(
             args.model,
             device=args.device,
@@ -86,6 +74,7 @@ def _load(args: argparse.Namespace):
             load_format=args.load_format,
             skip_tokenizer_init=args.skip_tokenizer_init,
         )
+        use_threads(loaded[0], args.threads)
         return (*loaded, None)
     finally:
         if bar is not None:
@@ -235,6 +224,17 @@ def _chat(model, tokenizer, args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may be reachable from elsewhere
+        return False
+
+
 def _api_keys(value: str | None) -> list[str] | None:
     """The keys of `--api-key KEY1,KEY2` (empty entries dropped), or None for no key."""
     keys = [k.strip() for k in (value or "").split(",") if k.strip()]
@@ -251,6 +251,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.cache_salt_by_api_key and not keys:
         raise M3lmError("--cache-salt-by-api-key needs --api-key (or M3LM_API_KEY)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not keys and not _loopback(args.host):
+        logging.getLogger("m3lm.server").warning(
+            "--host %s without --api-key: anyone who can reach this machine can use the server; "
+            "set --api-key (or M3LM_API_KEY)",
+            args.host,
+        )
     serve(
         args.model,
         host=args.host,
@@ -271,6 +277,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         quant=args.quant,
         load_format=args.load_format,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        threads=args.threads,
+        grace_s=args.drain_timeout,
         **_pool(args),
     )
     return 0
@@ -357,17 +365,25 @@ def _pool(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded story model)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+def _threads_arg(p: argparse.ArgumentParser) -> None:
+    from m3lm.threads import MAX_DEFAULT_THREADS, SMALL_MODEL_PARAMS
+
     p.add_argument(
         "--threads",
         type=_positive,
         default=None,
         metavar="N",
-        help="CPU threads for torch on the CPU (default: min(4, cores)); ignored on a GPU",
+        help=f"torch's threads on the CPU, in the process that runs the model (default: 1 for a model "
+        f"under {SMALL_MODEL_PARAMS // 10**6}M parameters, else min({MAX_DEFAULT_THREADS}, cores)); "
+        "ignored on a GPU",
     )
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded story model)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+    _threads_arg(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=None)
@@ -443,11 +459,20 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--device", default=None)
     srv.add_argument("--dtype", default=None)
+    _threads_arg(srv)
     srv.add_argument("--max-num-seqs", type=int, default=64)
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--max-num-batched-tokens", type=int, default=2048)
     srv.add_argument(
         "--max-queue", type=int, default=256, help="waiting requests beyond which new ones get 503"
+    )
+    srv.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM or Ctrl-C, seconds open requests may take to finish before their streams "
+        "get an error event",
     )
     srv.add_argument("--msa-dense-window", type=float, default=None, metavar="F")
     srv.add_argument(
@@ -512,6 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_waits()  # before anything imports torch
     args = build_parser().parse_args(argv)
     _default_model(args)
     try:
@@ -522,7 +548,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"m3lm: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("\nm3lm: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from m3lm.server.lifecycle import Stopped
+
+        if not isinstance(e, Stopped):
+            raise
+        print(f"m3lm: {e}", file=sys.stderr)
+        return 128 + e.signum
 
 
 if __name__ == "__main__":

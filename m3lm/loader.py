@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,15 +67,25 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
-    """A torch device or its name (default cuda if available); one that this machine lacks is a ValueError."""
+    """A torch device or its name (default cuda if available); m3lm runs on the CPU and NVIDIA
+    GPUs, and a device this machine lacks is a ValueError that says what to use instead."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a torch device ({e})") from None
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device {str(device)!r} is not a device; use cuda, cuda:N (an NVIDIA GPU) or cpu"
+        ) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"device {str(device)!r}: m3lm runs on NVIDIA GPUs (cuda) and the CPU; use --device cpu"
+        )
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine")
+        build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(
+            f"device {str(device)!r}: torch {torch.__version__} ({build}) sees no CUDA GPU; use --device cpu"
+        )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(
             f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
@@ -126,12 +137,23 @@ def weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
+LOCAL_ONLY = (
+    "m3lm reads a local checkpoint directory (config.json, safetensors, tokenizer) and never downloads"
+)
+
+
 def check_dir(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if not path.exists():
-        raise CheckpointError(f"model path {path} does not exist")
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+            raise CheckpointError(
+                f"model path {path} does not exist; if it names a model on a hub: {LOCAL_ONLY}, so "
+                "download it first and pass its directory"
+            )
+        raise CheckpointError(f"model path {path} does not exist ({LOCAL_ONLY})")
     if not path.is_dir():
-        raise CheckpointError(f"model path {path} is not a directory")
+        kind = "a GGUF file" if path.suffix.lower() == ".gguf" else "a file"
+        raise CheckpointError(f"model path {path} is {kind}: {LOCAL_ONLY}")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (not a model checkpoint directory)")
     return path

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -87,6 +88,9 @@ class Tokenizer:
 
     def __init__(self, hf: Any, extra_eos_ids: Sequence[int] = ()) -> None:
         self.hf = hf
+        # The engine bounds prompts by max_model_len with a clear error; transformers' own bound
+        # only adds a warning about indexing errors before it.
+        hf.model_max_length = sys.maxsize
         self.bos_token_id: int | None = hf.bos_token_id
         eos = {hf.eos_token_id} if hf.eos_token_id is not None else set()
         self.eos_token_ids: frozenset[int] = frozenset(eos | set(extra_eos_ids))

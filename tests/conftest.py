@@ -16,6 +16,10 @@ try:  # property tests draw the same examples every run, so a run's result does 
 except ImportError:
     pass
 FIXTURES = Path(os.environ.get("M3LM_FIXTURES", REPO.parent / "shared" / "fixtures"))
+# The outer bound on waiting for a process or a state (a server up, a drain done, a reply): tests
+# wait on what they expect, never on the clock, so a busy machine makes them slow, not red; this
+# bound only stops a test that would otherwise hang.
+PATIENCE_S = float(os.environ.get("M3LM_TEST_PATIENCE_S", 1800))
 
 
 def fixture_dirs() -> list[Path]:

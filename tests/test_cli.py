@@ -4,7 +4,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FIXTURES
+from conftest import FIXTURES, PATIENCE_S
 
 from m3lm.cli import main
 
@@ -18,7 +18,7 @@ def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "m3lm", *args],
         input=stdin and stdin.encode(),
         capture_output=True,
-        timeout=300,
+        timeout=PATIENCE_S,
         env=env,
     )
     # Decoded without newline translation: generated text may contain a bare "\r".
@@ -304,9 +304,11 @@ def one_line_error(capsys, argv: list[str]) -> str:
 def test_cuda_device_without_cuda_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     err = one_line_error(capsys, ["generate", "--device", "cuda", "--prompt", "hi", "--max-tokens", "1"])
-    assert "'cuda': CUDA is not available" in err
+    assert "'cuda': torch " in err and "sees no CUDA GPU; use --device cpu" in err
     err = one_line_error(capsys, ["generate", "--device", "gpu0", "--prompt", "hi", "--max-tokens", "1"])
-    assert "'gpu0' is not a torch device" in err
+    assert "'gpu0' is not a device; use cuda, cuda:N (an NVIDIA GPU) or cpu" in err
+    err = one_line_error(capsys, ["chat", "--device", "mps"])
+    assert "'mps': m3lm runs on NVIDIA GPUs (cuda) and the CPU; use --device cpu" in err
 
 
 def test_quantization_config_string_is_one_line(tmp_path, capsys):
@@ -333,60 +335,80 @@ def test_chat_template_raising_a_python_error_is_one_line(tmp_path, capsys):
 
 
 def test_version_prints_the_distribution_version(capsys, monkeypatch):
-    import re
     from importlib import metadata
-    from pathlib import Path
 
-    import m3lm
+    from m3lm.version import __version__
 
-    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    want = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)  # tomllib needs Python 3.11
     with pytest.raises(SystemExit) as e:
         main(["--version"])
-    assert e.value.code == 0 and capsys.readouterr().out == f"m3lm {want}\n"
+    assert e.value.code == 0 and capsys.readouterr().out == f"m3lm {metadata.version('m3lm')}\n"
 
     def not_installed(name):
         raise metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(metadata, "version", not_installed)
-    monkeypatch.setattr(m3lm, "__version__", "9.9.9-src")
+    monkeypatch.setattr(metadata, "version", not_installed)  # a plain source tree
     with pytest.raises(SystemExit) as e:
         main(["--version"])
-    assert e.value.code == 0 and capsys.readouterr().out == "m3lm 9.9.9-src\n"
+    assert e.value.code == 0 and capsys.readouterr().out == f"m3lm {__version__}\n"
+
+
+def test_the_version_has_one_home():
+    """pyproject reads m3lm/version.py, so the installed distribution says the same."""
+    from importlib import metadata
+    from pathlib import Path
+
+    from m3lm.version import __version__
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'attr = "m3lm.version.__version__"' in pyproject
+    assert metadata.version("m3lm") == __version__
 
 
 @pytest.mark.parametrize(
-    ("requested", "device", "cores", "want"),
+    ("requested", "device", "cores", "params", "want"),
     [
-        (None, "cpu", 2, 2),
-        (None, "cpu", 64, 4),
-        (None, "cpu", None, 1),  # os.cpu_count() may not know
-        (12, "cpu", 2, 12),
-        (None, "cuda", 64, None),
-        (3, "cuda", 64, None),
+        (None, "cpu", 2, 10_000_000, 1),  # a small model: one thread
+        (None, "cpu", 2, 10**9, 2),
+        (None, "cpu", 64, 10**9, 4),
+        (12, "cpu", 2, 10_000_000, 12),
+        (None, "cuda", 64, 10**9, None),
+        (3, "cuda", 64, 10**9, None),
     ],
 )
-def test_cpu_threads_default_and_override(requested, device, cores, want):
-    from m3lm.cli import cpu_threads
+def test_cpu_threads_default_and_override(requested, device, cores, params, want):
+    from m3lm.threads import cpu_threads
 
-    assert cpu_threads(requested, device, cores) == want
+    assert cpu_threads(requested, device, cores, params) == want
 
 
-@pytest.mark.parametrize("command", ["generate", "chat"])
-def test_threads_flag_is_documented_and_applied_on_the_cpu_only(command, capsys, monkeypatch):
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_threads_flag_is_documented(command, capsys):
     from m3lm.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--help"])
     assert "--threads N" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([command, "--threads", "0"])
+
+
+@pytest.mark.parametrize(("flag", "want"), [([], 1), (["--threads", "2"], 2)])
+def test_generate_sets_torch_threads_in_its_process(flag, want, monkeypatch, capsys):
+    """The embedded model is small: one thread unless --threads says otherwise."""
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    argv = [command, "--model", "/does/not/exist", "--threads", "3"] + (
-        ["--prompt", "hi"] if command == "generate" else []
+    argv = ["generate", "--prompt", "Once", "--max-tokens", "2", "--device", "cpu", *flag]
+    assert main(argv) == 0
+    assert calls == [want]
+
+
+def test_cli_makes_openmp_threads_sleep_while_they_wait():
+    """OMP_WAIT_POLICY=PASSIVE is in the environment before torch loads, unless the user set one."""
+    code = "import os, sys; from m3lm.cli import main; main(['list']); print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.splitlines()[-1] == "PASSIVE"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**env, "OMP_WAIT_POLICY": "ACTIVE"}
     )
-    assert main([*argv, "--device", "cpu"]) == 1 and calls == [3]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert main([*argv, "--device", "cuda"]) == 1 and calls == [3]
-    with pytest.raises(SystemExit):
-        main([*argv, "--threads", "0"])
+    assert out.stdout.splitlines()[-1] == "ACTIVE"

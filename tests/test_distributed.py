@@ -21,7 +21,7 @@ from checkpoints import (
     write_checkpoint,
     write_m3_tokenizer,
 )
-from conftest import REPO, fixture_dirs
+from conftest import PATIENCE_S, REPO, fixture_dirs
 
 from m3lm.config import EngineConfig, ModelArgs
 from m3lm.core import SamplingParams
@@ -279,7 +279,7 @@ def test_a_failed_worker_stops_generate_with_a_clear_error(tmp_path):
         [*cmd, "--tensor-parallel-size", "2", "--max-tokens", "4"],
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=PATIENCE_S,
         cwd=REPO,
     )
     assert r.returncode == 1, r.stderr

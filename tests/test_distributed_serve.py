@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint, write_m3_tokenizer
-from conftest import REPO
+from conftest import PATIENCE_S, REPO
 
 import m3lm
 from m3lm.distributed.launch import free_port
@@ -31,7 +31,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = PATIENCE_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read()
@@ -67,7 +67,7 @@ def test_tensor_parallel_server_matches_one_process(checkpoint, expert_parallel)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=PATIENCE_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint, write_m3_tokenizer
+from conftest import PATIENCE_S
 
 from m3lm.core import SamplingParams
 from m3lm.engine import messages as m
@@ -48,7 +49,7 @@ def start(checkpoint: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, limit: float = 120) -> None:
+def wait_healthy(proc: subprocess.Popen, url: str, limit: float = PATIENCE_S) -> None:
     deadline = time.time() + limit
     while True:
         assert proc.poll() is None, proc.stdout.read()
@@ -86,7 +87,7 @@ def alive(pid: int) -> bool:
 def stop(proc: subprocess.Popen) -> str:
     if proc.poll() is None:
         proc.kill()
-    out, _ = proc.communicate(timeout=30)
+    out, _ = proc.communicate(timeout=PATIENCE_S)
     return out
 
 
@@ -121,7 +122,7 @@ def test_engine_process_serves_and_its_crash_ends_the_server(checkpoint):
         with pytest.raises(openai.APIError, match="engine"):
             for _ in stream:
                 pass
-        assert proc.wait(timeout=30) == 1
+        assert proc.wait(timeout=PATIENCE_S) == 1
         out = stop(proc)
         assert "m3lm: error: the engine stopped: the engine process exited with code -9" in out
     finally:
@@ -130,7 +131,7 @@ def test_engine_process_serves_and_its_crash_ends_the_server(checkpoint):
 
 def test_engine_that_cannot_start_is_a_one_line_error(checkpoint):
     proc, _ = start(checkpoint, "--max-model-len", "256", "--kv-cache-tokens", "64")
-    code = proc.wait(timeout=120)
+    code = proc.wait(timeout=PATIENCE_S)
     out = stop(proc)
     assert code == 1
     last = out.strip().splitlines()[-1]
@@ -145,10 +146,28 @@ def test_engine_process_leaves_when_the_server_dies(checkpoint):
         wait_healthy(proc, url)
         engines = children(proc.pid)
         proc.kill()  # no cleanup runs in the server
-        proc.wait(timeout=10)
-        deadline = time.time() + 15
+        proc.wait(timeout=PATIENCE_S)
+        deadline = time.time() + PATIENCE_S
         while any(alive(p) for p in engines) and time.time() < deadline:
             time.sleep(0.1)
         assert not any(alive(p) for p in engines)
     finally:
         stop(proc)
+
+
+def test_a_thread_hosted_engine_reports_its_warm_up_failure(checkpoint, monkeypatch):
+    """Under torchrun the engine's loop runs on a thread of the server process: a warm-up that
+    fails is a start failure with its message, as the engine process reports it."""
+    import m3lm.engine.async_engine as ae
+    from m3lm.config import EngineConfig
+    from m3lm.engine.engine import LLMEngine
+    from m3lm.loader import load
+
+    def broken(engine):
+        raise RuntimeError("no room for the decode graphs")
+
+    monkeypatch.setattr(ae, "warm_up_if_on", broken)
+    model, tok = load(checkpoint, device="cpu")
+    engine = ae.AsyncEngine(LLMEngine(model, tok, EngineConfig(max_model_len=256)))
+    with pytest.raises(ae.EngineStartError, match="^no room for the decode graphs$"):
+        engine.start()

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import PATIENCE_S, REPO
 
 pytest.importorskip("triton")
 
@@ -58,6 +58,6 @@ def runs():
 def test_triton_kernel_matches_its_reference_in_the_interpreter(runs, name):
     if name not in runs:  # collected without conftest's hook
         start_checks((name,))
-    out, _ = runs[name].communicate(timeout=900)
+    out, _ = runs[name].communicate(timeout=PATIENCE_S)
     assert runs[name].returncode == 0, out
     assert f"{name} ok" in out

@@ -11,6 +11,7 @@ import openai
 import pytest
 import torch
 from checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint, write_m3_tokenizer
+from conftest import PATIENCE_S
 
 import m3lm
 from m3lm.config import EngineConfig
@@ -38,7 +39,7 @@ class LiveServer:
         self.server = uvicorn.Server(config) if drain_s is None else draining_server(config, app, drain_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        deadline = time.time() + 30
+        deadline = time.time() + PATIENCE_S
         while not self.server.started:
             assert time.time() < deadline, "server did not start"
             time.sleep(0.02)
@@ -100,7 +101,7 @@ def stream_chat(client, messages, max_tokens: int) -> list:
     )
 
 
-def wait_idle(engine, timeout=10.0):
+def wait_idle(engine, timeout=PATIENCE_S):
     blocks = engine.engine.blocks
     deadline = time.time() + timeout
     while blocks.num_free != blocks.num_pages or engine.num_active:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import PATIENCE_S, REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from tp_slice import RELEASE_DENSE, RELEASE_SPARSE, per_layer, require_nvls_off
@@ -16,7 +16,7 @@ def test_two_gloo_ranks_pass_the_check_and_print_the_table():
     cmd = [sys.executable, "benchmarks/tp_bench.py", "--cpu-gloo", "2", "--tiny", "--check"]
     cmd += ["--iters", "1", "--decode", "1x16,4x16", "--prefill", "32"]
     env = {k: v for k, v in os.environ.items() if k != "NCCL_NVLS_ENABLE"}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=PATIENCE_S, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "- check passed: 2-layer slice, TP 2, float32" in r.stdout, r.stdout
     assert "| case | weights | path | 3-layer ms |" in r.stdout

@@ -31,6 +31,7 @@ from m3lm.engine.engine import LLMEngine, StepOutput, validate_request
 from m3lm.engine.engine_loop import EngineLoop, EngineSpec, engine_info, run_engine_process, warm_up_if_on
 from m3lm.engine.sequence import TokenLogprob
 from m3lm.errors import M3lmError
+from m3lm.threads import quiet_waits, use_threads
 
 log = logging.getLogger("m3lm.engine")
 
@@ -241,6 +242,7 @@ class AsyncEngine:
     def start(self, timeout: float | None = None) -> AsyncEngine:
         """Start the engine and wait until it is ready; raises EngineStartError if it cannot start."""
         if self._spec is not None:
+            quiet_waits()  # the engine process inherits it before it imports torch
             ctx = multiprocessing.get_context("spawn")
             self._proc = ctx.Process(
                 target=run_engine_process,
@@ -272,13 +274,16 @@ class AsyncEngine:
 
     def _run_loop(self) -> None:
         engine = self.engine
-        if engine.device.type == "cpu" and self.cpu_threads:
-            import torch
-
-            torch.set_num_threads(self.cpu_threads)
+        use_threads(engine.model, self.cpu_threads)
         loop = EngineLoop(engine, self._ctx, self._in_addr, self._out_addr)
         try:
-            loop.send(m.Ready(engine_info(engine, warm_up_if_on(engine))))
+            try:
+                warm = warm_up_if_on(engine)
+            except Exception as e:  # a start failure, reported as the engine process reports it
+                log.debug("the engine could not start", exc_info=True)
+                loop.send(m.Failed(str(e) or type(e).__name__))
+                return
+            loop.send(m.Ready(engine_info(engine, warm)))
             loop.run()
         except Exception:
             log.exception("the engine stopped on a fault")
@@ -294,7 +299,8 @@ class AsyncEngine:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._send(m.Shutdown())
+        if self.info is not None:  # an engine still starting reads no messages: it is killed below
+            self._send(m.Shutdown())
         if self._worker is not None:
             self._worker.join(timeout)
         if self._proc is not None:

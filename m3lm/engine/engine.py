@@ -182,6 +182,14 @@ class LLMEngine:
                 "(another process, or another engine in this one?); lower --gpu-memory-utilization "
                 "or set --kv-cache-memory"
             )
+        if config.max_model_len is not None and config.max_model_len > max_pos:
+            log.warning(
+                "max_model_len = %d is above the model's %d positions (max_position_embeddings in "
+                "config.json): the context is %d tokens",
+                config.max_model_len,
+                max_pos,
+                max_pos,
+            )
         if config.max_model_len is None and plan.max_model_len < max_pos:
             log.info(
                 "max_model_len = %d: what the KV pool holds (the model allows %d; set --max-model-len "

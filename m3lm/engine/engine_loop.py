@@ -20,6 +20,7 @@ import zmq
 
 from m3lm.engine import messages as m
 from m3lm.engine.engine import LLMEngine, StepOutput
+from m3lm.threads import use_threads
 
 log = logging.getLogger("m3lm.engine")
 IDLE_POLL_MS = 100  # how long an idle loop sleeps before checking on its parent
@@ -157,6 +158,7 @@ class EngineSpec:
     engine_kwargs: dict = field(default_factory=dict)
     eos_ids: tuple[int, ...] = ()  # the tokenizer's, which the engine process does not load
     log_level: int = logging.INFO
+    threads: int | None = None  # torch's CPU threads (`m3lm.threads.use_threads`)
 
 
 def build_engine(spec: EngineSpec):
@@ -186,6 +188,7 @@ def build_engine(spec: EngineSpec):
             load_format=spec.load_format,
             skip_tokenizer_init=True,
         )
+    use_threads(model, spec.threads)
     try:
         engine = LLMEngine(model, None, EngineConfig(**spec.engine_kwargs), eos_ids=spec.eos_ids)
     except BaseException:

@@ -9,9 +9,10 @@ process (`m3lm.engine.engine_loop`); this one parses, tokenizes, detokenizes and
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from m3lm.engine.async_engine import AsyncEngine
 from m3lm.errors import M3lmError
 from m3lm.server.asgi import ApiKeyAuth, DrainingServer, RequestLimits, guarded_h11
 from m3lm.server.handlers import ApiError, ServerState, chat_completion, completion
+from m3lm.server.lifecycle import bind, stop_on_signals
 from m3lm.server.metrics import Metrics
 from m3lm.server.protocol import (
     ChatCompletionRequest,
@@ -76,8 +78,14 @@ def build_app(
     async def invalid(_: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        if first.get("type") == "json_invalid":
-            loc = ""  # the location is a byte offset, not a field
+        if first.get("type") == "json_invalid":  # the location is a byte offset, not a field
+            why = (first.get("ctx") or {}).get("error")
+            at = first.get("loc", ())[-1:]
+            where = f" ({why} at character {at[0]})" if why and at else ""
+            return JSONResponse(error_body(f"the request body is not valid JSON{where}", code=400), 400)
+        if not loc:  # no body, or one that is not an object (or not sent as JSON)
+            msg = "the request body must be a JSON object (sent with Content-Type: application/json)"
+            return JSONResponse(error_body(msg, code=400), 400)
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
         return JSONResponse(error_body(msg, param=loc or None, code=400), 400)
 
@@ -232,9 +240,11 @@ def draining_server(config: uvicorn.Config, app, grace_s: float) -> DrainingServ
         inner = inner.app
     state: ServerState = inner.state.m3lm
 
-    def start_drain() -> None:
+    def start_drain(signal_name: str) -> None:
         state.draining = True
-        log.info("SIGTERM: draining %d open request(s) for up to %g s", state.engine.num_active, grace_s)
+        log.info(
+            "%s: draining %d open request(s) for up to %g s", signal_name, state.engine.num_active, grace_s
+        )
 
     return DrainingServer(
         config,
@@ -261,6 +271,7 @@ def serve(
     cache_salt_by_api_key: bool = False,
     load_format: str = "auto",
     skip_tokenizer_init: bool = False,
+    threads: int | None = None,
     **engine_kwargs,
 ) -> None:
     """Start the engine process (it loads the model), then run uvicorn until SIGINT/SIGTERM.
@@ -268,63 +279,89 @@ def serve(
     This process serves HTTP, tokenizes and detokenizes; the engine process schedules and runs
     the model (and, under tensor parallelism, drives the other ranks). Under torchrun rank 0 is
     the engine already, so its loop runs on a thread here and the other ranks follow.
-    `load_format` and `skip_tokenizer_init` as in `m3lm.load`; `engine_kwargs`: EngineConfig fields.
+    `load_format` and `skip_tokenizer_init` as in `m3lm.load`; `threads`: torch's CPU threads in
+    the process that runs the model (`m3lm.threads`); `engine_kwargs`: EngineConfig fields.
     """
     from m3lm.config import EngineConfig
     from m3lm.distributed.launch import launch, under_torchrun
     from m3lm.engine.engine import LLMEngine
     from m3lm.engine.engine_loop import EngineSpec
-    from m3lm.loader import check_dir
+    from m3lm.loader import check_dir, resolve_device
     from m3lm.tokenizer import load_tokenizer
 
     limits = limits or Limits()
     name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
-    args = (name, host, port, grace_s, limits, api_key, cache_salt_by_api_key)
     if load_format != "auto" and (tensor_parallel_size > 1 or under_torchrun()):
         raise ValueError("--load-format dummy needs --tensor-parallel-size 1")
+    resolve_device(device)  # a device this machine lacks is refused before anything starts
     if under_torchrun():
         if skip_tokenizer_init:
             raise ValueError("--skip-tokenizer-init is not supported under torchrun")
-        loaded = launch(model_dir, tensor_parallel_size, expert_parallel, device, dtype, quant=quant)
+        # rank 0 holds the port from the start; the other ranks follow its steps and serve nothing
+        sock = bind(host, port) if os.environ.get("RANK", "0") == "0" else None
+        with stop_on_signals(), _closed_on_error(sock):
+            loaded = launch(model_dir, tensor_parallel_size, expert_parallel, device, dtype, quant=quant)
         if loaded is None:  # a follower rank: rank 0 has stopped
             return
         model, tokenizer, group = loaded
         try:
-            engine = AsyncEngine(LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs)), limits.max_queue)
-            _serve(engine, tokenizer, *args)
+            llm_engine = LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs))
+            engine = AsyncEngine(llm_engine, limits.max_queue, cpu_threads=threads)
+            _serve(engine, tokenizer, sock, name, host, port, grace_s, limits, api_key, cache_salt_by_api_key)
         finally:
             group.shutdown()
         return
     path = check_dir(model_dir)
-    tokenizer = None if skip_tokenizer_init else load_tokenizer(path)
     EngineConfig(**engine_kwargs)  # a bad setting is refused here, before the engine starts
-    spec = EngineSpec(
-        str(path),
-        device,
-        dtype,
-        quant,
-        load_format,
-        tensor_parallel_size,
-        expert_parallel,
-        engine_kwargs,
-        tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else (),
-        logging.getLogger().getEffectiveLevel(),
-    )
-    _serve(AsyncEngine.spawn(spec, tokenizer, limits.max_queue), tokenizer, *args)
+    sock = bind(host, port)
+    with _closed_on_error(sock), stop_on_signals():
+        tokenizer = None if skip_tokenizer_init else load_tokenizer(path)
+        spec = EngineSpec(
+            str(path),
+            device,
+            dtype,
+            quant,
+            load_format,
+            tensor_parallel_size,
+            expert_parallel,
+            engine_kwargs,
+            tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else (),
+            logging.getLogger().getEffectiveLevel(),
+            threads,
+        )
+        engine = AsyncEngine.spawn(spec, tokenizer, limits.max_queue)
+    _serve(engine, tokenizer, sock, name, host, port, grace_s, limits, api_key, cache_salt_by_api_key)
 
 
-def _serve(engine: AsyncEngine, tokenizer, name, host, port, grace_s, limits, api_key, salt_by_key):
-    engine.start()
+@contextmanager
+def _closed_on_error(sock):
     try:
+        yield
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+
+
+def _serve(engine: AsyncEngine, tokenizer, sock, name, host, port, grace_s, limits, api_key, salt_by_key):
+    url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+    log.info("bound %s; it answers once the model is loaded", url)
+    try:
+        with stop_on_signals():  # until uvicorn handles the signals, they stop the start-up at once
+            engine.start()
         app = create_server_app(engine, tokenizer, name, api_key, limits, salt_by_key)
         log.info("%s; warm-up %.1f s", engine.info.summary, engine.info.warmup_s)
-        log.info("serving %s on http://%s:%d", name, host, port)
+        log.info("serving %s on %s", name, url)
         # Streams still open when the drain ends get their error event; the rest of the grace is for that.
         config = server_config(app, limits, grace_s=5.0, host=host, port=port, log_level="info")
         server = draining_server(config, app, grace_s)
         engine.on_dead = lambda _: setattr(server, "should_exit", True)
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
-        engine.stop()  # the engine must be idle before the followers are told to stop
+        # the engine must be idle before the followers are told to stop; one that has not
+        # answered Ready yet has nothing to finish and is killed at once
+        engine.stop(timeout=10.0 if engine.info is not None else 0.0)
+        if sock is not None:
+            sock.close()
     if engine.error is not None:
         raise M3lmError(f"the engine stopped: {engine.error}")

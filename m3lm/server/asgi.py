@@ -173,16 +173,17 @@ def guarded_h11(header_timeout_s: float) -> type[H11Protocol]:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose SIGTERM drains: `start_drain` is called (the app then answers /health and
-    new requests with 503) and the server keeps listening until `open_requests()` is 0 or `grace_s`
-    has passed; then `end_open()` ends what is still open, and the server shuts down. A second
-    SIGTERM, or SIGINT, stops at once as uvicorn does. The process then exits normally (status 0)."""
+    """uvicorn.Server whose SIGTERM or Ctrl-C (SIGINT) drains: `start_drain(signal name)` is called
+    (the app then answers /health and new requests with 503) and the server keeps listening until
+    `open_requests()` is 0 or `grace_s` has passed; then `end_open()` ends what is still open, and
+    the server shuts down. A second signal ends what is open and stops at once. Nothing is
+    re-raised afterwards: the process exits normally (status 0)."""
 
     def __init__(
         self,
         config: uvicorn.Config,
         grace_s: float,
-        start_drain: Callable[[], None],
+        start_drain: Callable[[str], None],
         open_requests: Callable[[], int],
         end_open: Callable[[], None],
     ):
@@ -196,11 +197,13 @@ class DrainingServer(uvicorn.Server):
         self.drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
-        if sig == signal.SIGTERM and self.drain_deadline is None and not self.should_exit:
+        if self.drain_deadline is None and not self.should_exit:
             self.drain_deadline = time.monotonic() + self.grace_s
-            self.start_drain()
+            self.start_drain(signal.Signals(sig).name)
             return
-        super().handle_exit(sig, frame)
+        if self.open_requests():
+            self.end_open()  # their streams get an error event and [DONE], and end now
+        self.should_exit = True
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_deadline is not None and not self.should_exit:
