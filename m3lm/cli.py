@@ -1,38 +1,40 @@
-"""The `m3lm` command line: list | generate | chat."""
+"""The `m3lm` command: list | generate | chat | serve | bench (arguments in `cli_parser.py`)."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import re
 import sys
-import time
+import textwrap
 
 from m3lm.errors import M3lmError
 from m3lm.threads import quiet_waits
 
 FAMILIES = [
     {
-        "model_type": "minimax_m3_vl / minimax_m3 / minimax_m3_vl_text",
-        "architecture": "MiniMaxM3SparseForConditionalGeneration (text decoder)",
-        "msa": "yes (lightning indexer, per-KV-group top-k blocks)",
-        "moe": "yes (sigmoid router + bias, shared expert)",
-        "quantized": "mxfp8 (kept 8-bit on GPUs, also as tensor-parallel shards)",
+        "name": "MiniMax-M3",
+        "model_type": "minimax_m3_vl, minimax_m3, minimax_m3_vl_text",
+        "architecture": "MiniMaxM3SparseForConditionalGeneration (the text decoder)",
+        "attention": "MSA: a lightning indexer picks top-k blocks per KV group",
+        "experts": "MoE: sigmoid router with bias, and a shared expert",
+        "weights": "bf16; MXFP8 kept in 8 bits on GPUs, also as tensor-parallel shards",
     },
 ]
 
 
 def cmd_list(_: argparse.Namespace) -> int:
+    """The families as blocks of `key  value` lines, each within 80 columns."""
     from m3lm.assets import DEFAULT_MODEL
 
-    cols = ["model_type", "architecture", "msa", "moe", "quantized"]
-    heads = {c: c.upper() for c in cols}
-    widths = {c: max(len(heads[c]), *(len(f[c]) for f in FAMILIES)) for c in cols}
-    print("  ".join(heads[c].ljust(widths[c]) for c in cols).rstrip())
-    for f in FAMILIES:
-        print("  ".join(f[c].ljust(widths[c]) for c in cols).rstrip())
-    print(f"\ndefault model: {DEFAULT_MODEL} (10M-parameter story model, MSA + MoE)")
+    for family in FAMILIES:
+        print(family["name"])
+        for key in ("model_type", "architecture", "attention", "experts", "weights"):
+            lines = textwrap.wrap(family[key], 80 - 16)
+            print(f"  {key:<14}{lines[0]}")
+            for more in lines[1:]:
+                print(f"  {'':<14}{more}")
+    print("\ndefault model (10M parameters, MSA + MoE, trained on short stories):")
+    print(f"  {DEFAULT_MODEL}")
     return 0
 
 
@@ -97,11 +99,27 @@ def _template_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -> str:
-    """Stream one reply to stdout; return its text. Stats go to stderr."""
-    from m3lm.generation import peak_memory_bytes, stream_generate
+    """Stream one reply: the answer to stdout, reasoning (if the model reasons) to stderr apart
+    from it, stats to stderr. Ctrl-C stops the reply after the current step (the request is
+    aborted; the engine stays usable). Returns the answer's text."""
+    import signal
+    import threading
+    import time
 
-    start, first, text, n_prompt, n_gen, cached = time.perf_counter(), None, [], 0, 0, 0
-    for chunk in stream_generate(
+    from m3lm.generation import peak_memory_bytes, prompt_ids, stream_generate
+
+    messages = prompt.pop("messages", None)
+    if messages is not None:  # rendered here, so that the reply's reasoning can be told apart
+        prompt["prompt"] = prompt_ids(
+            tokenizer, None, messages, None, prompt.pop("chat_template_kwargs", None)
+        )
+    printer = ReplyPrinter.for_prompt(tokenizer, prompt["prompt"] if messages is not None else None)
+    stop = threading.Event()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    start, first, n_prompt, n_gen, cached = time.perf_counter(), None, 0, 0, 0
+    chunks = stream_generate(
         model,
         tokenizer,
         msa_dense_window=args.msa_dense_window,
@@ -109,14 +127,22 @@ def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -
         pool=None if engine is not None else _pool(args),
         **prompt,
         **_sampling(args),
-    ):
-        first = first or time.perf_counter()
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-        text.append(chunk.text)
-        n_prompt, n_gen, cached = chunk.prompt_tokens, chunk.generation_tokens, chunk.cached_tokens
+    )
+    try:
+        for chunk in chunks:
+            first = first or time.perf_counter()
+            printer.add(chunk.token_ids, chunk.text)
+            n_prompt, n_gen, cached = chunk.prompt_tokens, chunk.generation_tokens, chunk.cached_tokens
+            if stop.is_set():
+                break
+    finally:
+        chunks.close()  # aborts the request if it has not finished
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     end = time.perf_counter()
-    sys.stdout.write("\n")
+    printer.end()
+    if stop.is_set():
+        print("(stopped)", file=sys.stderr)
     first = first or end
     gen_tps = (n_gen - 1) / (end - first) if n_gen > 1 and end > first else 0.0
     mem = peak_memory_bytes(model.lm_head.weight.device) / 2**30
@@ -126,7 +152,62 @@ def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -
         f"generation: {n_gen} tokens, {gen_tps:.1f} tok/s | peak memory: {mem:.2f} GiB",
         file=sys.stderr,
     )
-    return "".join(text)
+    return printer.answer()
+
+
+class ReplyPrinter:
+    """Writes a streamed reply: the answer to stdout; the reasoning of a model that reasons to
+    stderr, between a "thinking" and an "answer" line, so that the two never run together (and
+    `> file` keeps the answer alone)."""
+
+    def __init__(self, parser=None):
+        self.parser = parser  # a ReasoningParser, or None for a reply with no reasoning markers
+        self.parts: list[str] = []
+        self.thinking = False
+
+    @classmethod
+    def for_prompt(cls, tokenizer, ids) -> ReplyPrinter:
+        if ids is None:
+            return cls()
+        from m3lm.server.reasoning import ReasoningParser, ReplyFormat, detect_thinking_mode
+
+        try:
+            markers = ReplyFormat.from_tokenizer(tokenizer.hf).reasoning
+        except ValueError:  # a tokenizer without think markers: no reasoning to tell apart
+            return cls()
+        return cls(ReasoningParser(markers, detect_thinking_mode(ids, markers)))
+
+    def add(self, token_ids: list[int], text: str) -> None:
+        from m3lm.server.reasoning import Channel
+
+        channel = Channel.CONTENT
+        if self.parser is not None:
+            routed = [self.parser.route(t) for t in token_ids] or [Channel.CONTENT]
+            kept = [c for c in routed if c is not Channel.DROP]
+            channel = kept[-1] if kept else Channel.DROP
+            if self.parser.in_reasoning and not self.thinking:
+                self.thinking = True
+                print("thinking:", file=sys.stderr, flush=True)
+        if channel is Channel.REASONING:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            return
+        if self.thinking and (text or not self.parser.in_reasoning):
+            self.thinking = False
+            print("\nanswer:", file=sys.stderr, flush=True)
+        if channel is Channel.CONTENT:
+            self.parts.append(text)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def end(self) -> None:
+        if self.thinking:
+            sys.stderr.write("\n")
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    def answer(self) -> str:
+        return "".join(self.parts)
 
 
 def _need_tokenizer(args: argparse.Namespace) -> None:
@@ -169,59 +250,19 @@ def _generate(model, tokenizer, args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """A REPL that keeps the conversation; /reset clears it, /exit or end of input quits."""
+    """A REPL that keeps the conversation (`chat_repl.py`)."""
     _need_tokenizer(args)
     loaded = _load(args)
     if loaded is None:  # a follower rank under torchrun: rank 0 has finished
         return 0
     model, tokenizer, group = loaded
     try:
-        return _chat(model, tokenizer, args)
+        from m3lm.chat_repl import run_chat
+
+        return run_chat(model, tokenizer, args, _stream, _pool(args))
     finally:
         if group is not None:
             group.shutdown()
-
-
-def _chat(model, tokenizer, args: argparse.Namespace) -> int:
-    from m3lm.generation import session_engine
-
-    if tokenizer is None or not tokenizer.has_chat_template:
-        raise M3lmError(f"{args.model} has no tokenizer with a chat template")
-    # One engine for the whole conversation: each turn's prompt starts on the pages that the
-    # history left in its prefix cache, so only the new message (and the template's tail) is
-    # computed.
-    engine = session_engine(model, tokenizer, args.max_model_len, args.msa_dense_window, pool=_pool(args))
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    history: list[dict] = []
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            print(">> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() == "/exit":
-            return 0
-        line = line.rstrip("\n")
-        if line.strip() == "/reset":
-            history = []
-            print("(history cleared)", file=sys.stderr)
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        try:
-            reply = _stream(
-                model,
-                tokenizer,
-                args,
-                engine,
-                messages=system + history,
-                chat_template_kwargs=_template_kwargs(args),
-            )
-        except ValueError as exc:  # the conversation outgrew the context: the turn is dropped
-            history.pop()
-            print(f"error: {exc}; /reset starts a new conversation", file=sys.stderr)
-            continue
-        history.append({"role": "assistant", "content": reply})
 
 
 def _loopback(host: str) -> bool:
@@ -304,101 +345,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return n
-
-
-SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "1073741824", "20GiB", "512 MiB" or "1.5GB" (KiB = 1024 bytes, KB = 1000)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", text)
-    unit = m and SIZE_UNITS.get(m.group(2).lower())
-    if unit is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or e.g. 20GiB, 512MiB, 1.5GB)")
-    n = int(float(m.group(1)) * unit) if "." in m.group(1) else int(m.group(1)) * unit
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
-    return n
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a number in (0, 1]")
-    return v
-
-
-def _pool_args(p: argparse.ArgumentParser, utilization: float | None, default: str) -> None:
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=_fraction,
-        default=utilization,
-        metavar="F",
-        help="share of the whole GPU's memory for weights, activations and the KV cache; the cache "
-        f"takes what is left after the weights and the measured peak activation ({default})",
-    )
-    size = p.add_mutually_exclusive_group()
-    size.add_argument(
-        "--kv-cache-memory",
-        type=parse_size,
-        default=None,
-        metavar="SIZE",
-        help="the KV cache's size in bytes, or e.g. 20GiB, 512MiB (instead of --gpu-memory-utilization)",
-    )
-    size.add_argument(
-        "--kv-cache-tokens", type=_positive, default=None, metavar="N", help="the KV cache's size in tokens"
-    )
-
-
 def _pool(args: argparse.Namespace) -> dict:
     """The KV pool's EngineConfig fields given on the command line."""
     keys = ("gpu_memory_utilization", "kv_cache_memory", "kv_cache_tokens")
     return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
-
-
-def _threads_arg(p: argparse.ArgumentParser) -> None:
-    from m3lm.threads import MAX_DEFAULT_THREADS, SMALL_MODEL_PARAMS
-
-    p.add_argument(
-        "--threads",
-        type=_positive,
-        default=None,
-        metavar="N",
-        help=f"torch's threads on the CPU, in the process that runs the model (default: 1 for a model "
-        f"under {SMALL_MODEL_PARAMS // 10**6}M parameters, else min({MAX_DEFAULT_THREADS}, cores)); "
-        "ignored on a GPU",
-    )
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded story model)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on GPU, fp32 on CPU)")
-    _threads_arg(p)
-    p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--thinking-mode", choices=["enabled", "disabled", "adaptive"], default=None)
-    p.add_argument(
-        "--msa-dense-window",
-        type=float,
-        default=None,
-        metavar="F",
-        help="approximation, off by default: attend densely while the selected window covers >= 1/F of the context",
-    )
 
 
 def _default_model(args: argparse.Namespace) -> None:
@@ -421,124 +371,28 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from m3lm.generation import SESSION_CONTEXT
+    from m3lm import cli_parser
 
-    parser = argparse.ArgumentParser(prog="m3lm", description="Run MiniMax-M3 models.")
-    parser.add_argument("--version", action="version", version=f"m3lm {version()}")
-    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list the supported model families").set_defaults(func=cmd_list)
-    gen = sub.add_parser("generate", help="generate text from a prompt")
-    _model_args(gen)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.set_defaults(func=cmd_generate)
-    chat = sub.add_parser("chat", help="interactive chat that keeps history")
-    _model_args(chat)
-    chat.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help=f"tokens the conversation may hold, prompt and reply (default: {SESSION_CONTEXT}, at most the model's)",
-    )
-    chat.set_defaults(func=cmd_chat)
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    srv.add_argument("--model", default=None, help="checkpoint directory (default: the embedded story model)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument(
-        "--api-key",
-        default=None,
-        help="required Bearer token, or several separated by commas (or set M3LM_API_KEY)",
-    )
-    srv.add_argument(
-        "--cache-salt-by-api-key",
-        action="store_true",
-        help="share prefix-cache pages only among requests made with the same API key",
-    )
-    srv.add_argument("--served-model-name", default=None)
-    srv.add_argument("--device", default=None)
-    srv.add_argument("--dtype", default=None)
-    _threads_arg(srv)
-    srv.add_argument("--max-num-seqs", type=int, default=64)
-    srv.add_argument("--max-model-len", type=int, default=None)
-    srv.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    srv.add_argument(
-        "--max-queue", type=int, default=256, help="waiting requests beyond which new ones get 503"
-    )
-    srv.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="on SIGTERM or Ctrl-C, seconds open requests may take to finish before their streams "
-        "get an error event",
-    )
-    srv.add_argument("--msa-dense-window", type=float, default=None, metavar="F")
-    srv.add_argument(
-        "--no-prefix-caching",
-        dest="prefix_caching",
-        action="store_false",
-        help="compute every prompt whole (by default a prompt starts on the cached pages of its longest known prefix)",
-    )
-    srv.set_defaults(func=cmd_serve)
-    bn = sub.add_parser("bench", help="time a real-dimension slice on the GPU against its floor")
-    bn.add_argument("--layers", type=int, default=4)
-    bn.add_argument("--decode", default="1x4096,16x2048,64x1024,1x131072", help="BxCTX,... decode cases")
-    bn.add_argument("--prefill", default="4096,8192", help="prefill lengths (batch 1)")
-    bn.add_argument("--attention", default="", help="MSA attention lengths to time against dense flash")
-    bn.add_argument("--iters", type=int, default=20)
-    bn.add_argument(
-        "--quant", default="bf16", help="weights: bf16, mxfp8 (kept 8-bit) or bf16,mxfp8 (both, one process)"
-    )
-    bn.add_argument("--compare-transformers", action="store_true")
-    bn.add_argument("--out", default=None, help="append the Markdown report to this file")
-    bn.set_defaults(func=cmd_bench)
-    for p in (gen, chat, srv):
-        p.add_argument(
-            "--tensor-parallel-size",
-            type=int,
-            default=1,
-            metavar="N",
-            help="shard the model over N processes (GPUs) of this node; under torchrun, its ranks",
-        )
-        p.add_argument(
-            "--expert-parallel",
-            action="store_true",
-            help="with tensor parallelism: whole experts per rank instead of every expert's width split",
-        )
-    for p in (gen, chat):
-        _pool_args(p, None, "default: a cache of the request's length")
-    _pool_args(srv, 0.9, "default: 0.9")
-    for p in (gen, chat, srv):
-        p.add_argument(
-            "--quant",
-            choices=["auto", "mxfp8", "none"],
-            default="auto",
-            help="MXFP8 weights: auto keeps an MXFP8 checkpoint in 8 bits on a GPU, mxfp8 always "
-            "(quantising a bf16 checkpoint at load), none dequantises",
-        )
-        p.add_argument(
-            "--load-format",
-            choices=["auto", "dummy"],
-            default="auto",
-            help="auto reads the safetensors; dummy builds random weights on the device from config.json "
-            "alone (a folder with only config.json works), for benchmarks",
-        )
-        p.add_argument(
-            "--skip-tokenizer-init",
-            action="store_true",
-            help="load no tokenizer: token ids in and out (serve's completions take token-id prompts)",
-        )
-        p.add_argument(
-            "--verbose", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"
-        )
-    return parser
+    commands = {
+        "list": cmd_list,
+        "generate": cmd_generate,
+        "chat": cmd_chat,
+        "serve": cmd_serve,
+        "bench": cmd_bench,
+    }
+    return cli_parser.build_parser(commands)
 
 
 def main(argv: list[str] | None = None) -> int:
     quiet_waits()  # before anything imports torch
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        print(f"m3lm {version()}")
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 0
     _default_model(args)
     try:
         return args.func(args)

@@ -16,6 +16,8 @@ from typing import Any
 
 from m3lm.errors import ConfigError
 
+SESSION_CONTEXT = 32768  # `session_engine`'s default context, in tokens (`m3lm chat`'s)
+
 TOP_MODEL_TYPES = ("minimax_m3_vl", "minimax_m3", "minimax_m3_vl_text")
 TEXT_MODEL_TYPES = ("minimax_m3", "minimax_m3_vl_text")
 QUANT_METHODS = ("mxfp8",)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from m3lm.config import EngineConfig
+from m3lm.config import SESSION_CONTEXT, EngineConfig
 from m3lm.core import SamplingParams
 from m3lm.engine.engine import LLMEngine
 from m3lm.engine.sequence import TokenLogprob
@@ -118,9 +118,6 @@ def stream_generate(
                 )
     finally:  # a consumer that stops early (or an error) leaves a shared engine idle
         engine.abort(seq.request_id)
-
-
-SESSION_CONTEXT = 32768  # `session_engine`'s default context, in tokens
 
 
 def session_engine(

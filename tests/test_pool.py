@@ -8,7 +8,8 @@ import torch
 
 import m3lm
 from m3lm.cache.pool import CPU_DEFAULT_BYTES, graph_reserve, plan_pool
-from m3lm.cli import build_parser, parse_size
+from m3lm.cli import build_parser
+from m3lm.cli_parser import parse_size
 from m3lm.config import EngineConfig
 from m3lm.engine.engine import LLMEngine
 from m3lm.engine.memory import profile_batches
