@@ -1,0 +1,45 @@
+"""The README's Python examples run as written, on the embedded model (the server example
+against a real `m3lm serve`, its port being the only change)."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import PATIENCE_S, REPO
+from test_serve_lifecycle import Serve
+
+README = (REPO / "README.md").read_text()
+SNIPPETS = re.findall(r"^```python\n(.*?)^```", README, re.M | re.S)
+
+
+def run(code: str, tmp_path) -> subprocess.CompletedProcess:
+    """The snippet in a fresh interpreter, outside the repository."""
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=PATIENCE_S
+    )
+    assert r.returncode == 0, f"{code}\n{r.stderr[-3000:]}"
+    return r
+
+
+def test_the_readme_has_its_examples():
+    assert len(SNIPPETS) == 3
+    assert not any("/path/to" in s or '"NAME"' in s for s in SNIPPETS)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_python_example_runs(index, tmp_path):
+    out = run(SNIPPETS[index], tmp_path).stdout
+    assert len(out.split()) >= 5, out  # each prints generated text
+
+
+def test_the_server_example_runs_against_m3lm_serve(tmp_path):
+    code = SNIPPETS[2]
+    assert "http://127.0.0.1:8000/v1" in code and 'api_key="KEY"' in code
+    server = Serve("--api-key", "KEY")
+    try:
+        server.wait_healthy()
+        out = run(code.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}"), tmp_path).stdout
+    finally:
+        server.kill()
+    assert out.strip(), out
