@@ -106,7 +106,7 @@ def test_path_errors(tmp_path):
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         m3lm.load(tmp_path)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(CheckpointError, match="not a directory"):
+    with pytest.raises(CheckpointError, match="is a file: m3lm reads a local checkpoint directory"):
         m3lm.load(tmp_path / "file")
 
 

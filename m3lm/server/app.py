@@ -83,7 +83,8 @@ def build_app(
             at = first.get("loc", ())[-1:]
             where = f" ({why} at character {at[0]})" if why and at else ""
             return JSONResponse(error_body(f"the request body is not valid JSON{where}", code=400), 400)
-        if not loc:  # no body, or one that is not an object (or not sent as JSON)
+        if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+            # no body, or one that is not an object (or not sent as JSON)
             msg = "the request body must be a JSON object (sent with Content-Type: application/json)"
             return JSONResponse(error_body(msg, code=400), 400)
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
