@@ -153,12 +153,12 @@ def test_nan_logits_fail_one_request_only(live):
     real = engine.runner.run
 
     def poisoned(plan, tables):
-        ready, logits = real(plan, tables)
+        ready, logits, *rest = real(plan, tables)  # rest: the prompt positions scored this step
         logits = logits.clone()
         for i, seq in enumerate(ready):
             if seq.prompt_ids[:3] == [9, 9, 9]:
                 logits[i] = float("nan")
-        return ready, logits
+        return ready, logits, *rest
 
     engine.runner.run = poisoned
     try:
