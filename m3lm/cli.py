@@ -271,6 +271,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         quant=args.quant,
         load_format=args.load_format,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        web_ui=args.web_ui,
         **_pool(args),
     )
     return 0
@@ -455,6 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="prefix_caching",
         action="store_false",
         help="compute every prompt whole (by default a prompt starts on the cached pages of its longest known prefix)",
+    )
+    srv.add_argument(
+        "--no-web-ui",
+        dest="web_ui",
+        action="store_false",
+        help="serve no chat page at / (by default / is a chat page that talks to this server)",
     )
     srv.set_defaults(func=cmd_serve)
     bn = sub.add_parser("bench", help="time a real-dimension slice on the GPU against its floor")
