@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -387,6 +388,32 @@ def test_a_thinking_reply_shows_its_reasoning_folded(page, story):
     assert sent["max_tokens"] == 40 and sent["temperature"] == 0
 
 
+def test_bad_input_gets_a_clear_error_and_loses_nothing(browser, story):
+    page = open_page(browser, story.url)
+    try:
+        expect(page.locator("body")).to_have_attribute("data-state", "ready")
+        settings(page, tools="[{not json")
+        send(page, "Hello there")
+        expect(page.locator("#error")).to_contain_text("Tools: not valid JSON")
+        settings(page, tools="", temperature="5")
+        page.click("#send")
+        expect(page.locator("#error")).to_contain_text("Temperature: ")
+        assert page.guard.chats == []  # neither reached the server
+        settings(page, temperature="", max_tokens="5000")
+        page.click("#send")  # the server refuses it: its message shows, the text goes back
+        expect(page.locator("#error")).to_have_text("max_tokens = 5000 exceeds the context length 1024")
+        expect(page.locator("#prompt")).to_have_value("Hello there")
+        expect(page.locator("#conversation > li")).to_have_count(0)
+        settings(page, max_tokens="4")
+        page.click("#send")
+        reply_done(page)
+        assert page.locator("#error").text_content() == ""
+        assert [c["messages"] for c in page.guard.chats] == [[{"role": "user", "content": "Hello there"}]] * 2
+    finally:
+        page.context.close()
+    page.guard.check(refused=400)
+
+
 def script_reply(tokenizer, *parts) -> list[int]:
     """Token ids of a reply: special-token names as themselves, other strings encoded as text."""
     special = set(tokenizer.hf.all_special_tokens) | {"]<]minimax[>[", "<tool_call>", "</tool_call>"}
@@ -533,4 +560,8 @@ def test_the_key_prompt_with_m3lm_serve_api_key(browser):
         page.guard.check(refused=401)
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
