@@ -320,6 +320,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         skip_tokenizer_init=args.skip_tokenizer_init,
         threads=args.threads,
         grace_s=args.drain_timeout,
+        web_ui=args.web_ui,
         **_pool(args),
     )
     return 0

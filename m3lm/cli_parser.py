@@ -351,6 +351,12 @@ def build_parser(commands) -> argparse.ArgumentParser:
         help="compute every prompt whole (by default a prompt starts on the cached pages of its "
         "longest known prefix)",
     )
+    srv.add_argument(
+        "--no-web-ui",
+        dest="web_ui",
+        action="store_false",
+        help="serve no chat page at / (by default / is a chat page that talks to this server)",
+    )
 
     bn = _command(
         sub,

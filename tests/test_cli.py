@@ -278,6 +278,16 @@ def test_serve_passes_prefix_caching_to_the_engine(monkeypatch, flag, on):
     assert seen["prefix_caching"] is on
 
 
+@pytest.mark.parametrize(("flag", "on"), [([], True), (["--no-web-ui"], False)])
+def test_serve_passes_the_web_ui_switch(monkeypatch, flag, on):
+    import m3lm.server.app as app
+
+    seen = {}
+    monkeypatch.setattr(app, "serve", lambda *a, **k: seen.update(k))
+    assert main(["serve", *flag]) == 0
+    assert seen["web_ui"] is on
+
+
 def tiny_checkpoint(path, config=None, tokenizer_template=None):
     """A small release-layout checkpoint (optionally with an M3 tokenizer and its own chat template)."""
     import json

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI routes, auth, limits, errors, and `serve`.
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models[/{id}], /health, /metrics, /tokenize,
-/detokenize, /tokenizer_info. Every error is an OpenAI error object with a truthful status. The API key guards
-every route but /health and is compared in constant time. Model compute runs in the engine
+/detokenize, /tokenizer_info, and the chat page at / (`web.py`). Every error is an OpenAI error
+object with a truthful status. The API key guards every route but /health and the page's files
+and is compared in constant time. Model compute runs in the engine
 process (`m3lm.engine.engine_loop`); this one parses, tokenizes, detokenizes and streams.
 """
 
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m3lm.engine.async_engine import AsyncEngine
 from m3lm.errors import M3lmError
+from m3lm.server import web
 from m3lm.server.asgi import ApiKeyAuth, DrainingServer, RequestLimits, guarded_h11
 from m3lm.server.handlers import ApiError, ServerState, chat_completion, completion
 from m3lm.server.lifecycle import bind, stop_on_signals
@@ -130,14 +132,25 @@ def build_app(
     created = int(time.time())
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "m3lm"}
 
+    def sized_card() -> dict:
+        """The card with the context length (vLLM's field) and the capacity: sequences run at
+        once and tokens the KV cache holds."""
+        info = engine.info
+        return {
+            **card,
+            "max_model_len": state.max_model_len,
+            "max_num_seqs": info.max_num_seqs,
+            "kv_cache_tokens": info.kv_tokens,
+        }
+
     @app.get("/v1/models", responses=common)
     async def models():
-        return {"object": "list", "data": [{**card, "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [sized_card()]}
 
     @app.get("/v1/models/{model_id:path}", responses=common)
     async def model(model_id: str):
         check_model(model_id)
-        return {**card, "max_model_len": state.max_model_len}
+        return sized_card()
 
     @app.get("/tokenizer_info", responses=common)
     async def tokenizer_info():
@@ -206,10 +219,11 @@ def create_server_app(
     api_key: str | Sequence[str] | None,
     limits: Limits,
     cache_salt_by_api_key: bool = False,
+    web_ui: bool = True,
 ):
     """The ASGI app as served: the key checked on the headers, then the size and time limits,
     then the FastAPI app. With `cache_salt_by_api_key` each key's requests share cached pages
-    only among themselves."""
+    only among themselves. `web_ui`: the chat page at / (its files need no key; its API calls do)."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if cache_salt_by_api_key and not keys:
         raise ValueError("cache_salt_by_api_key needs API keys")
@@ -217,8 +231,11 @@ def create_server_app(
     engine.metrics = metrics
     app = build_app(engine, tokenizer, model_name, limits, metrics)
     app.state.m3lm.salt_by_tenant = cache_salt_by_api_key
+    if web_ui:
+        web.add_web_ui(app)
     guarded = RequestLimits(app, limits.max_body_bytes, limits.max_header_bytes, limits.body_timeout_s)
-    return ApiKeyAuth(guarded, keys) if keys else guarded
+    public = {"/health", *(web.PATHS if web_ui else ())}
+    return ApiKeyAuth(guarded, keys, public) if keys else guarded
 
 
 def server_config(app, limits: Limits, grace_s: float, **kwargs) -> uvicorn.Config:
@@ -273,6 +290,7 @@ def serve(
     load_format: str = "auto",
     skip_tokenizer_init: bool = False,
     threads: int | None = None,
+    web_ui: bool = True,
     **engine_kwargs,
 ) -> None:
     """Start the engine process (it loads the model), then run uvicorn until SIGINT/SIGTERM.
@@ -281,7 +299,8 @@ def serve(
     the model (and, under tensor parallelism, drives the other ranks). Under torchrun rank 0 is
     the engine already, so its loop runs on a thread here and the other ranks follow.
     `load_format` and `skip_tokenizer_init` as in `m3lm.load`; `threads`: torch's CPU threads in
-    the process that runs the model (`m3lm.threads`); `engine_kwargs`: EngineConfig fields.
+    the process that runs the model (`m3lm.threads`); `web_ui`: the chat page at /;
+    `engine_kwargs`: EngineConfig fields.
     """
     from m3lm.config import EngineConfig
     from m3lm.distributed.launch import launch, under_torchrun
@@ -308,7 +327,19 @@ def serve(
         try:
             llm_engine = LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs))
             engine = AsyncEngine(llm_engine, limits.max_queue, cpu_threads=threads)
-            _serve(engine, tokenizer, sock, name, host, port, grace_s, limits, api_key, cache_salt_by_api_key)
+            _serve(
+                engine,
+                tokenizer,
+                sock,
+                name,
+                host,
+                port,
+                grace_s,
+                limits,
+                api_key,
+                cache_salt_by_api_key,
+                web_ui,
+            )
         finally:
             group.shutdown()
         return
@@ -331,7 +362,7 @@ def serve(
             threads,
         )
         engine = AsyncEngine.spawn(spec, tokenizer, limits.max_queue)
-    _serve(engine, tokenizer, sock, name, host, port, grace_s, limits, api_key, cache_salt_by_api_key)
+    _serve(engine, tokenizer, sock, name, host, port, grace_s, limits, api_key, cache_salt_by_api_key, web_ui)
 
 
 @contextmanager
@@ -344,15 +375,17 @@ def _closed_on_error(sock):
         raise
 
 
-def _serve(engine: AsyncEngine, tokenizer, sock, name, host, port, grace_s, limits, api_key, salt_by_key):
+def _serve(
+    engine: AsyncEngine, tokenizer, sock, name, host, port, grace_s, limits, api_key, salt_by_key, web_ui
+):
     url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     log.info("bound %s; it answers once the model is loaded", url)
     try:
         with stop_on_signals():  # until uvicorn handles the signals, they stop the start-up at once
             engine.start()
-        app = create_server_app(engine, tokenizer, name, api_key, limits, salt_by_key)
+        app = create_server_app(engine, tokenizer, name, api_key, limits, salt_by_key, web_ui)
         log.info("%s; warm-up %.1f s", engine.info.summary, engine.info.warmup_s)
-        log.info("serving %s on %s", name, url)
+        log.info("serving %s on %s%s", name, url, " (chat page at /)" if web_ui else "")
         # Streams still open when the drain ends get their error event; the rest of the grace is for that.
         config = server_config(app, limits, grace_s=5.0, host=host, port=port, log_level="info")
         server = draining_server(config, app, grace_s)

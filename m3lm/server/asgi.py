@@ -16,7 +16,7 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import h11
 import uvicorn
@@ -35,20 +35,21 @@ async def send_error(send, status: int, message: str, type_: str = "invalid_requ
 
 
 class ApiKeyAuth:
-    """Pure ASGI: every path but /health needs `Authorization: Bearer <key>` for one of `api_keys`
-    (each compared in constant time). The request's `state.tenant` is then a digest of its key.
+    """Pure ASGI: every path but the `public` ones needs `Authorization: Bearer <key>` for one of
+    `api_keys` (each compared in constant time). The request's `state.tenant` is then a digest of
+    its key.
 
     Pure ASGI rather than an HTTP middleware so that the app keeps the real `receive`, through which
     a handler learns that its client has gone.
     """
 
-    def __init__(self, app, api_keys: Sequence[str]):
+    def __init__(self, app, api_keys: Sequence[str], public: Collection[str] = ("/health",)):
         assert api_keys, "no API key"
-        self.app = app
+        self.app, self.public = app, frozenset(public)
         self.keys = [(f"Bearer {k}".encode(), hashlib.sha256(k.encode()).hexdigest()) for k in api_keys]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.public:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             tenant = None
             for expected, digest in self.keys:  # every key is compared: the time says nothing of which
