@@ -322,7 +322,11 @@ class AsyncEngine:
     def add(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> RequestStream:
-        """Admit a request or raise: ValueError (bad prompt), QueueFull, EngineDead."""
+        """Admit a request or raise: ValueError (bad prompt or settings), QueueFull, EngineDead.
+
+        Everything that can fail is done before the request is registered: once it holds a place
+        in the queue it is on its way to the engine, and only its stream's end or abort frees it.
+        """
         if self.error is not None:
             raise EngineDead(self.error)
         request_id = request_id or f"req-{next(self._ids)}"
@@ -332,9 +336,10 @@ class AsyncEngine:
             raise QueueFull("the server is at capacity; retry later")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        wire = m.encode_checked(m.Add(request_id, prompt_ids, params))
         stream = RequestStream(self, request_id, prompt_ids, params)
         self._streams[request_id] = stream
-        self._send(m.Add(request_id, prompt_ids, params))
+        self._send_bytes(wire)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -350,13 +355,16 @@ class AsyncEngine:
             stream._put(Interrupted(reason))
 
     def _send(self, msg) -> None:
+        self._send_bytes(m.encode(msg))
+
+    def _send_bytes(self, data: bytes) -> None:
         with self._send_lock:
             if self._to_engine.closed:
                 return
             try:  # never blocks: with no engine connected a PUSH socket would wait forever
-                self._to_engine.send(m.encode(msg), zmq.NOBLOCK, copy=False)
+                self._to_engine.send(data, zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                log.warning("the engine is not connected: %s dropped", type(msg).__name__)
+                log.warning("the engine is not connected: a message was dropped")
 
     # -- outputs -----------------------------------------------------------------------------
 

@@ -332,8 +332,8 @@ class LLMEngine:
 def validate_request(
     prompt_ids: list[int], params: SamplingParams | None, max_model_len: int, vocab: int
 ) -> None:
-    """Raise ValueError for an empty, too long or out-of-vocabulary prompt, or a logit bias
-    outside the vocabulary."""
+    """Raise ValueError for an empty, too long or out-of-vocabulary prompt, or a logit bias or
+    stop token id outside the vocabulary."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     if len(prompt_ids) >= max_model_len:
@@ -345,9 +345,14 @@ def validate_request(
     bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-    bad = next((t for t, _ in params.logit_bias if t >= vocab), None) if params else None
+    if params is None:
+        return
+    bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
     if bad is not None:
         raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+    bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
 
 
 def _free_bytes(device: torch.device) -> int:

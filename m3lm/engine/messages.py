@@ -101,6 +101,17 @@ def encode(msg: ToEngine | FromEngine) -> bytes:
     return _encoder.encode(msg)
 
 
+def encode_checked(msg: ToEngine) -> bytes:
+    """`msg` encoded, once it is known to decode as the engine will decode it; ValueError when
+    it cannot make the trip (an integer past 64 bits, a value the engine's types refuse)."""
+    try:
+        data = _encoder.encode(msg)
+        _to_engine.decode(data)
+    except (OverflowError, TypeError, ValueError, msgspec.MsgspecError) as e:
+        raise ValueError(f"the request cannot be passed to the engine: {e}") from None
+    return data
+
+
 def decode_to_engine(data: bytes) -> ToEngine:
     return _to_engine.decode(data)
 

@@ -8,6 +8,7 @@ does not implement (rather than silently ignoring them) are a 400.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ log = logging.getLogger("m3lm.server")
 _warned_fields: set[str] = set()  # unknown names already logged, at most _MAX_WARNED of them
 _MAX_WARNED = 256
 _NAMES_PER_LINE = 8
+_TOKEN_ID = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit() also takes "١٢" or "²"
 
 
 def _reject_surrogates(value: Any, where: str = "") -> None:
@@ -147,6 +149,8 @@ class _Request(_Body):
             raise ValueError(f"{len(stops)} stop strings exceed the limit of {limits.max_stop}")
         if any(len(s) > limits.max_stop_chars for s in stops):
             raise ValueError(f"stop strings are limited to {limits.max_stop_chars} characters")
+        if not all(stops):
+            raise ValueError("stop strings must not be empty")
         if (self.prompt_logprobs or 0) > limits.max_top_logprobs:
             raise ValueError(
                 f"prompt_logprobs = {self.prompt_logprobs} exceeds the limit of {limits.max_top_logprobs}"
@@ -159,13 +163,16 @@ class _Request(_Body):
             raise ValueError("response_format is not supported yet: structured output is not enforced")
 
     def bias(self) -> tuple[tuple[int, float], ...]:
-        """logit_bias as (token id, bias) pairs; its keys are token ids written as strings."""
-        pairs = []
+        """logit_bias as (token id, bias) pairs; its keys are token ids written as decimal strings,
+        and two spellings of one id ("17", "017") are refused rather than added up."""
+        pairs: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or len(key) > 12:
+            if not _TOKEN_ID.fullmatch(key):
                 raise ValueError(f"logit_bias: {key[:32]!r} is not a token id")
-            pairs.append((int(key), value))
-        return tuple(pairs)
+            if (tid := int(key)) in pairs:
+                raise ValueError(f"logit_bias: token id {tid} is named more than once")
+            pairs[tid] = value
+        return tuple(pairs.items())
 
     def sampling(
         self,

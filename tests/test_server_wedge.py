@@ -1,0 +1,159 @@
+"""The server cannot be wedged: what a client sends never keeps a slot, a connection or the
+engine, and never becomes a control token.
+
+Every test runs a real server over real HTTP with the served settings. The server here has room
+for 2 running and 2 queued requests, so a request that kept its slot would show within 5 tries.
+"""
+
+import contextlib
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint, write_m3_tokenizer
+from test_server import API_KEY, MSG, NAME, start, wait_idle
+
+from m3lm.server import handlers
+from m3lm.server.protocol import Limits
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SLOTS = 2 + 2  # max_num_seqs + max_queue of the server below
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wedge")
+    s = Spec(vocab=write_m3_tokenizer(path))
+    write_checkpoint(path, to_release(hf_model(s, seed=3).state_dict(), s), release_config(s))
+    return path
+
+
+@pytest.fixture(scope="module")
+def live(checkpoint):
+    server = start(checkpoint, limits=Limits(max_queue=2), max_num_seqs=2)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+
+
+def post(live, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    headers = {**AUTH, "Content-Type": "application/json"}
+    return httpx.post(live.url + path, content=content, headers=headers, timeout=30)
+
+
+def still_serves(live, client) -> None:
+    """Nothing is held: no open request, every page free, and a request is served."""
+    wait_idle(live.engine)
+    reply = client.completions.create(
+        model=NAME, prompt="once", max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    assert reply.usage.completion_tokens == 2
+    wait_idle(live.engine)
+
+
+# --- 1. every field is checked before admission; a failure after it frees the slot -----------------
+
+CHAT = {"messages": MSG, "max_tokens": 2}
+TEXT = {"prompt": "once", "max_tokens": 2}
+BAD_VALUES = [
+    ("/v1/completions", {**TEXT, "stop_token_ids": [2**70]}, "stop_token_ids"),  # past the wire's 64 bits
+    ("/v1/chat/completions", {**CHAT, "stop_token_ids": [2**64]}, "stop_token_ids"),
+    ("/v1/completions", {**TEXT, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("/v1/completions", {**TEXT, "stop_token_ids": [10**9]}, "vocabulary"),
+    ("/v1/completions", {**TEXT, "logit_bias": {"17": 100, "017": 100}}, "more than once"),
+    ("/v1/completions", {**TEXT, "logit_bias": {"١٧": 1}}, "not a token id"),
+    ("/v1/completions", {**TEXT, "logit_bias": {str(2**70): 1}}, "not a token id"),
+    ("/v1/chat/completions", {**CHAT, "stop": [""]}, "empty"),
+    ("/v1/completions", {**TEXT, "stop": ["x", ""]}, "empty"),
+]
+
+
+@pytest.mark.parametrize("path, body, says", BAD_VALUES)
+def test_a_value_the_engine_cannot_take_is_a_400_and_holds_nothing(live, client, path, body, says):
+    for _ in range(SLOTS + 1):
+        r = post(live, path, body)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    still_serves(live, client)
+
+
+@contextlib.contextmanager
+def slow_steps(live, seconds: float = 0.05):
+    """Each engine step takes `seconds` longer: a request of 250 tokens then runs for over 12 s,
+    so one that is not freed at once is still holding its slot when the test looks."""
+    runner = live.engine.engine.runner
+    real = runner.run
+
+    def slow(*a, **k):
+        time.sleep(seconds)
+        return real(*a, **k)
+
+    runner.run = slow
+    try:
+        yield
+    finally:
+        runner.run = real
+
+
+LONG = {"max_tokens": 250, "ignore_eos": True}
+
+
+def test_a_fault_after_admission_frees_the_slot(live, client, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("a fault after admission")
+
+    monkeypatch.setattr(handlers, "detect_thinking_mode", broken)
+    with slow_steps(live):
+        for stream in (False, True):
+            r = post(live, "/v1/chat/completions", {"messages": MSG, **LONG, "stream": stream})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error", r.text
+        wait_idle(live.engine, timeout=5)
+    monkeypatch.undo()
+    still_serves(live, client)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_stream_whose_client_leaves_at_once_frees_the_slot(live, client, path):
+    body = {"messages": MSG} if "chat" in path else {"prompt": "once"}
+    body = json.dumps({**body, **LONG, "stream": True}).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with slow_steps(live):
+        for _ in range(SLOTS):
+            with socket.create_connection(("127.0.0.1", live.port)) as s:
+                s.sendall(head + body)
+                s.settimeout(10)
+                assert s.recv(12) == b"HTTP/1.1 200"  # admitted, and gone
+        wait_idle(live.engine, timeout=5)
+    still_serves(live, client)
+
+
+def test_a_tiny_temperature_is_greedy(client):
+    greedy = client.completions.create(model=NAME, prompt="once upon", max_tokens=8, temperature=0)
+    for t in (1e-300, 1e-6):
+        tiny = client.completions.create(model=NAME, prompt="once upon", max_tokens=8, temperature=t, seed=1)
+        assert tiny.choices[0].text == greedy.choices[0].text
+
+
+def test_the_wire_refuses_what_it_cannot_carry():
+    from m3lm.core import SamplingParams
+    from m3lm.engine import messages as m
+
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=(2**64,))
+    with pytest.raises(ValueError, match="more than once"):
+        SamplingParams(logit_bias=((5, 100.0), (5, 100.0)))
+    with pytest.raises(ValueError, match="cannot be passed to the engine"):
+        m.encode_checked(m.Add("r", [2**64], SamplingParams()))
+    assert m.decode_to_engine(m.encode_checked(m.Add("r", [1], SamplingParams()))) == m.Add(
+        "r", [1], SamplingParams()
+    )
