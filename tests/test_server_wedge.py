@@ -33,7 +33,10 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live(checkpoint):
-    server = start(checkpoint, limits=Limits(max_queue=2), max_num_seqs=2)
+    # Short deadlines and a small connection cap, so that the tests reach them quickly.
+    limits = Limits(max_queue=2, body_timeout_s=2, header_timeout_s=2, write_timeout_s=2, max_connections=16)
+    server = start(checkpoint, limits=limits, max_num_seqs=2)
+    server.limits = limits
     yield server
     server.stop()
 
@@ -157,3 +160,144 @@ def test_the_wire_refuses_what_it_cannot_carry():
     assert m.decode_to_engine(m.encode_checked(m.Add("r", [1], SamplingParams()))) == m.Add(
         "r", [1], SamplingParams()
     )
+
+
+# --- 2. every phase of a connection has a deadline, whatever its request's fate ---------------------
+
+
+def connect(live) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", live.port))
+    s.settimeout(10)
+    return s
+
+
+def read_response(s: socket.socket) -> bytes:
+    """The bytes of one response (headers and a Content-Length body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(
+            v
+            for k, _, v in (h.partition(b": ") for h in head.split(b"\r\n"))
+            if k.lower() == b"content-length"
+        )
+    )
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def closed_within(s: socket.socket, seconds: float, trickle: bool = True) -> bool:
+    """Whether the server closes `s` within `seconds` while the client sends a body byte every 0.1 s."""
+    s.settimeout(0.1)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if trickle:
+                s.sendall(b"x")
+            if s.recv(4096) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except OSError:  # reset or broken pipe: closed
+            return True
+    return False
+
+
+HEAD = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+@pytest.mark.parametrize(
+    "headers, status",
+    [
+        ("Content-Length: 8000000\r\n", b"401"),  # no key
+        (f"Authorization: Bearer {API_KEY}\r\nContent-Length: 9000000\r\n", b"413"),  # too big
+        (f"Authorization: Bearer {API_KEY}\r\nContent-Length: 100\r\n", b"408"),  # too slow
+    ],
+)
+def test_a_client_trickling_a_refused_body_is_cut_off(live, client, headers, status):
+    s = connect(live)
+    s.sendall(f"{HEAD}{headers}\r\n".encode())
+    if status == b"408":  # the body starts, then stalls past the deadline
+        s.sendall(b"{")
+        s.settimeout(live.limits.body_timeout_s + 10)
+    answer = read_response(s)
+    assert answer.startswith(b"HTTP/1.1 " + status) and b'"error"' in answer
+    assert closed_within(s, 5.0)
+    still_serves(live, client)
+
+
+def test_idle_sockets_cannot_lock_a_client_out(live, client):
+    """Past the connection cap the longest idle connection is closed for the newcomer."""
+    cap = live.limits.max_connections
+    idle = [connect(live) for _ in range(2 * cap)]
+    try:
+        for _ in range(3):
+            r = httpx.get(live.url + "/v1/models", headers=AUTH, timeout=10)
+            assert r.status_code == 200, r.text
+        assert sum(closed_within(s, 0.2, trickle=False) for s in idle) >= cap
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_when_every_connection_is_busy_a_newcomer_gets_a_json_503(live, client):
+    cap = live.limits.max_connections
+    busy = [connect(live) for _ in range(cap)]
+    try:
+        for s in busy:  # each one in the middle of a body, within the body deadline
+            s.sendall(f"{HEAD}Authorization: Bearer {API_KEY}\r\nContent-Length: 100\r\n\r\n{{".encode())
+        r = httpx.get(live.url + "/v1/models", headers=AUTH, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["type"] == "service_unavailable"
+    finally:
+        for s in busy:
+            s.close()
+    still_serves(live, client)
+
+
+def test_headers_past_the_parser_buffer_get_a_json_431(live):
+    s = connect(live)
+    with contextlib.suppress(OSError):  # the server may stop reading before all of it is sent
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"x" * (3 << 20) + b"\r\n\r\n")
+    answer = read_response(s)
+    assert answer.startswith(b"HTTP/1.1 431") and b'"invalid_request_error"' in answer
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_off(checkpoint):
+    limits = Limits(write_timeout_s=1)
+    server = start(checkpoint, limits=limits)
+    # Small kernel buffers on the server's side, so that unread output backs up into the server.
+    server.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    try:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", server.port))
+        port = s.getsockname()[1]
+        body = json.dumps({"prompt": "once", **LONG, "logprobs": 20, "n": 4, "stream": True}).encode()
+        head = f"{HEAD}Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
+        s.sendall(head.encode() + body)
+
+        def held() -> bool:
+            return any(c.client and c.client[1] == port for c in server.server.server_state.connections)
+
+        deadline = time.monotonic() + 60
+        while not held():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        while held():  # never read: the server must give up on it
+            assert time.monotonic() < deadline, "the server still holds a connection nobody reads"
+            time.sleep(0.1)
+        data = b""
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(65536):
+                data += chunk
+        assert data.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in data
+        s.close()
+        wait_idle(server.engine)
+    finally:
+        server.stop()

@@ -216,9 +216,8 @@ def server_config(app, limits: Limits, grace_s: float, **kwargs) -> uvicorn.Conf
     """uvicorn's settings as served: connection caps and timeouts from `limits`."""
     return uvicorn.Config(
         app,
-        http=guarded_h11(limits.header_timeout_s),
+        http=guarded_h11(limits),
         timeout_keep_alive=limits.idle_timeout_s,
-        limit_concurrency=limits.max_connections,
         timeout_graceful_shutdown=grace_s,
         h11_max_incomplete_event_size=UVICORN_MAX_HEADERS,
         **kwargs,

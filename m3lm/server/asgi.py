@@ -1,9 +1,9 @@
 """The connection side of the server: what guards it before a route runs, and how it stops.
 
-From the socket in: `guarded_h11` closes connections whose request headers do not arrive in time
-and answers malformed requests with an OpenAI error object; `ApiKeyAuth` refuses a request on its
-headers, before any body is read; `RequestLimits` bounds header and body sizes and the time a body
-may take. `DrainingServer` turns SIGTERM into a drain: /health and new requests get 503 while the
+From the socket in: `guarded_h11` gives every phase of a connection a deadline, keeps idle
+sockets from locking clients out, and answers malformed requests with an OpenAI error object;
+`ApiKeyAuth` refuses a request on its headers, before any body is read; `RequestLimits` bounds
+header and body sizes and the time a body may take. `DrainingServer` turns SIGTERM into a drain: /health and new requests get 503 while the
 open ones finish, and whatever is still open at the deadline is ended with an error.
 """
 
@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -22,14 +23,17 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from m3lm.server.protocol import error_body
+from m3lm.server.protocol import Limits, error_body
 
 log = logging.getLogger("m3lm.server")
 
 
-async def send_error(send, status: int, message: str, type_: str = "invalid_request_error") -> None:
+async def send_error(
+    send, status: int, message: str, type_: str = "invalid_request_error", extra_headers=()
+) -> None:
     body = json.dumps(error_body(message, type_, code=status)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += extra_headers
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -121,19 +125,44 @@ class RequestLimits:
         return b"".join(chunks)
 
 
-def guarded_h11(header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection whose request headers take over `header_timeout_s`
-    (from its opening, or from the first byte of a later request on it), and answering a request that
-    is not HTTP with an OpenAI error object rather than plain text."""
+LINGER_S = 2.0  # how long the unread body of an answered request is drained before closing
+
+
+def guarded_h11(limits: Limits) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline on every phase of a connection, whatever its
+    requests' fate, and OpenAI error objects for what it refuses itself.
+
+    - Headers: a connection whose request headers take over `limits.header_timeout_s` (from its
+      opening, or from the first byte of a later request on it) is closed. The body has its own
+      deadline in `RequestLimits` (408).
+    - After a response: a connection whose request body was never read (a 401, 408 or 413 sent
+      before the body came) is closed within `LINGER_S`, so a client trickling bytes into it holds
+      nothing.
+      Idle keep-alive connections close after uvicorn's `timeout_keep_alive`.
+    - Writing: a client that reads nothing of a response for `limits.write_timeout_s` is cut off.
+    - Beyond `limits.max_connections`, a new connection closes the one that has waited longest
+      without a request under way (idle sockets cannot lock clients out); only when every
+      connection has a request under way is the newcomer refused, with a JSON 503.
+    - A request that is not HTTP gets a JSON 400, one whose headers outgrow h11's buffer a 431.
+    """
 
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
+        _idle_since = 0.0
+        _lingering = False
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self._idle_since = self.loop.time()
             self._arm()
+            if self._open_connections() > limits.max_connections and not self._close_longest_idle():
+                log.warning("over %d connections, all busy: a new one is refused", limits.max_connections)
+                self.app = _too_many_connections
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return  # the rest of a body nobody reads
             super().data_received(data)
             if self.conn.their_state is h11.IDLE:  # a request begun, its headers not yet whole
                 if self._header_timer is None:
@@ -141,12 +170,68 @@ def guarded_h11(header_timeout_s: float) -> type[H11Protocol]:
             else:
                 self._disarm()
 
+        def on_response_complete(self) -> None:
+            unread = self.conn.their_state is h11.SEND_BODY  # (the next cycle may start below)
+            super().on_response_complete()
+            self._idle_since = self.loop.time()
+            if unread and not self.transport.is_closing():
+                self._linger()
+
+        def _linger(self) -> None:
+            """End a connection whose request body was never read. Closing at once, with its bytes
+            unread, would reset the connection and could destroy the answer before the client reads
+            it; so the answer is followed by an end of stream, what still comes is read and dropped
+            for `LINGER_S` seconds, and then the connection is closed whatever the client does."""
+            self._lingering = True
+            self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+
         def connection_lost(self, exc) -> None:
             self._disarm()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
             super().connection_lost(exc)
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(limits.write_timeout_s, self._not_reading)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _not_reading(self) -> None:
+            self._write_timer = None
+            self.transport.abort()  # close() would wait for the unread bytes to be flushed
+
+        def _waiting(self) -> bool:
+            """No request under way: the connection waits for (the rest of) request headers, or
+            for the end of its linger."""
+            idle = self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+            return idle or self._lingering
+
+        def _open_connections(self) -> int:
+            return sum(1 for c in self.connections if not c.transport.is_closing())
+
+        def _close_longest_idle(self) -> bool:
+            idle = [
+                c
+                for c in self.connections
+                if c is not self
+                and isinstance(c, GuardedH11Protocol)
+                and c._waiting()
+                and not c.transport.is_closing()
+            ]
+            if not idle:
+                return False
+            min(idle, key=lambda c: c._idle_since).transport.close()
+            return True
+
         def _arm(self) -> None:
-            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+            self._header_timer = self.loop.call_later(limits.header_timeout_s, self._headers_too_slow)
 
         def _disarm(self) -> None:
             if self._header_timer is not None:
@@ -159,10 +244,20 @@ def guarded_h11(header_timeout_s: float) -> type[H11Protocol]:
                 self.transport.close()
 
         def send_400_response(self, msg: str) -> None:
-            body = json.dumps(error_body(f"malformed HTTP request: {msg}", code=400)).encode()
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            # uvicorn calls this from its `except h11.RemoteProtocolError`, so the error is at hand.
+            status = getattr(sys.exc_info()[1], "error_status_hint", 400)
+            if status == 431:
+                text = "request headers too large"
+            else:
+                status, text = 400, f"malformed HTTP request: {msg}"
+            body = json.dumps(error_body(text, code=status)).encode()
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ]
             for event in (
-                h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                h11.Response(status_code=status, headers=headers, reason=_REASONS[status]),
                 h11.Data(data=body),
                 h11.EndOfMessage(),
             ):
@@ -170,6 +265,19 @@ def guarded_h11(header_timeout_s: float) -> type[H11Protocol]:
             self.transport.close()
 
     return GuardedH11Protocol
+
+
+_REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
+
+
+async def _too_many_connections(scope, receive, send) -> None:
+    await send_error(
+        send,
+        503,
+        "the server has too many open connections; retry later",
+        "service_unavailable",
+        [(b"retry-after", b"1"), (b"connection", b"close")],
+    )
 
 
 class DrainingServer(uvicorn.Server):

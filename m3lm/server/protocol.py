@@ -69,7 +69,8 @@ class Limits:
     header_timeout_s: float = 10.0  # for a request's headers to arrive, from the connection's start
     body_timeout_s: float = 30.0  # for its body to arrive, once the headers have
     idle_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
-    max_connections: int = 1024  # connections and requests beyond this get 503
+    write_timeout_s: float = 30.0  # a client that reads nothing of a response for this long is cut off
+    max_connections: int = 1024  # beyond this the longest idle connection is closed, or the new one gets 503
 
 
 def error_body(
