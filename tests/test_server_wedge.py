@@ -301,3 +301,17 @@ def test_a_client_that_stops_reading_a_stream_is_cut_off(checkpoint):
         wait_idle(server.engine)
     finally:
         server.stop()
+
+
+def test_the_connection_cap_fits_the_open_file_limit():
+    import resource
+
+    from m3lm.server.app import room_for_connections
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard limit on open files")
+    assert room_for_connections(Limits(max_connections=16)).max_connections == 16
+    fitted = room_for_connections(Limits(max_connections=hard))  # more than the files allow
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
+    assert fitted.max_connections == hard - 256

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -224,6 +225,25 @@ def server_config(app, limits: Limits, grace_s: float, **kwargs) -> uvicorn.Conf
     )
 
 
+def room_for_connections(limits: Limits) -> Limits:
+    """`limits` once this process may open enough files for its connection cap: the soft limit
+    is raised as far as the hard one allows, and the cap lowered to what is left if that is not
+    enough (a listener out of descriptors stops accepting anyone)."""
+    import resource
+
+    reserve = 256  # the listener, the engine's sockets, model and log files
+    need = limits.max_connections + reserve
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft != resource.RLIM_INFINITY and soft < need:
+        cap = max(soft - reserve, 16)
+        log.warning("at most %d open files: the connection cap is lowered to %d", soft, cap)
+        limits = replace(limits, max_connections=cap)
+    return limits
+
+
 def draining_server(config: uvicorn.Config, app, grace_s: float) -> DrainingServer:
     """The server of `app` (from `create_server_app`), draining on SIGTERM."""
     inner = app
@@ -276,7 +296,7 @@ def serve(
     from m3lm.loader import check_dir
     from m3lm.tokenizer import load_tokenizer
 
-    limits = limits or Limits()
+    limits = room_for_connections(limits or Limits())
     name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
     args = (name, host, port, grace_s, limits, api_key, cache_salt_by_api_key)
     if load_format != "auto" and (tensor_parallel_size > 1 or under_torchrun()):

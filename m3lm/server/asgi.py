@@ -10,6 +10,7 @@ open ones finish, and whatever is still open at the deadline is ended with an er
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import hmac
 import json
@@ -146,17 +147,24 @@ def guarded_h11(limits: Limits) -> type[H11Protocol]:
     - A request that is not HTTP gets a JSON 400, one whose headers outgrow h11's buffer a 431.
     """
 
+    # The connections waiting for a request (or lingering), the one waiting longest first; and
+    # those closed to make room whose loss the event loop has not reported yet.
+    waiting: collections.OrderedDict[H11Protocol, None] = collections.OrderedDict()
+    dropped: set[H11Protocol] = set()
+
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
         _write_timer: asyncio.TimerHandle | None = None
-        _idle_since = 0.0
         _lingering = False
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._idle_since = self.loop.time()
+            waiting[self] = None
             self._arm()
-            if self._open_connections() > limits.max_connections and not self._close_longest_idle():
+            if (
+                len(self.connections) - len(dropped) > limits.max_connections
+                and not self._drop_longest_waiting()
+            ):
                 log.warning("over %d connections, all busy: a new one is refused", limits.max_connections)
                 self.app = _too_many_connections
 
@@ -169,13 +177,17 @@ def guarded_h11(limits: Limits) -> type[H11Protocol]:
                     self._arm()
             else:
                 self._disarm()
+                waiting.pop(self, None)
 
         def on_response_complete(self) -> None:
             unread = self.conn.their_state is h11.SEND_BODY  # (the next cycle may start below)
             super().on_response_complete()
-            self._idle_since = self.loop.time()
             if unread and not self.transport.is_closing():
                 self._linger()
+                waiting[self] = None
+                waiting.move_to_end(self, last=False)  # worth nothing: the first to go
+            elif self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                waiting[self] = None  # kept alive, waiting from now on
 
         def _linger(self) -> None:
             """End a connection whose request body was never read. Closing at once, with its bytes
@@ -183,10 +195,16 @@ def guarded_h11(limits: Limits) -> type[H11Protocol]:
             it; so the answer is followed by an end of stream, what still comes is read and dropped
             for `LINGER_S` seconds, and then the connection is closed whatever the client does."""
             self._lingering = True
-            self.transport.write_eof()
+            try:
+                self.transport.write_eof()
+            except OSError:  # the client has gone already
+                self.transport.close()
+                return
             self.loop.call_later(LINGER_S, self.transport.close)
 
         def connection_lost(self, exc) -> None:
+            waiting.pop(self, None)
+            dropped.discard(self)
             self._disarm()
             if self._write_timer is not None:
                 self._write_timer.cancel()
@@ -207,27 +225,13 @@ def guarded_h11(limits: Limits) -> type[H11Protocol]:
             self._write_timer = None
             self.transport.abort()  # close() would wait for the unread bytes to be flushed
 
-        def _waiting(self) -> bool:
-            """No request under way: the connection waits for (the rest of) request headers, or
-            for the end of its linger."""
-            idle = self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
-            return idle or self._lingering
-
-        def _open_connections(self) -> int:
-            return sum(1 for c in self.connections if not c.transport.is_closing())
-
-        def _close_longest_idle(self) -> bool:
-            idle = [
-                c
-                for c in self.connections
-                if c is not self
-                and isinstance(c, GuardedH11Protocol)
-                and c._waiting()
-                and not c.transport.is_closing()
-            ]
-            if not idle:
+        def _drop_longest_waiting(self) -> bool:
+            victim = next((c for c in waiting if c is not self), None)
+            if victim is None:
                 return False
-            min(idle, key=lambda c: c._idle_since).transport.close()
+            del waiting[victim]
+            dropped.add(victim)
+            victim.transport.close()
             return True
 
         def _arm(self) -> None:

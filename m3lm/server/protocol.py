@@ -70,7 +70,7 @@ class Limits:
     body_timeout_s: float = 30.0  # for its body to arrive, once the headers have
     idle_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     write_timeout_s: float = 30.0  # a client that reads nothing of a response for this long is cut off
-    max_connections: int = 1024  # beyond this the longest idle connection is closed, or the new one gets 503
+    max_connections: int = 4096  # beyond this the longest idle connection is closed, or the new one gets 503
 
 
 def error_body(
