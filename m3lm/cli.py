@@ -260,7 +260,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         device=args.device,
         dtype=args.dtype,
-        limits=Limits(max_queue=args.max_queue),
+        limits=Limits(max_queue=args.max_queue, engine_timeout_s=args.engine_timeout),
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -448,6 +448,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-batched-tokens", type=int, default=2048)
     srv.add_argument(
         "--max-queue", type=int, default=256, help="waiting requests beyond which new ones get 503"
+    )
+    srv.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds without a heartbeat from the engine process before it counts as stalled: "
+        "/health answers 503 and open requests end with an error until it answers again",
     )
     srv.add_argument("--msa-dense-window", type=float, default=None, metavar="F")
     srv.add_argument(

@@ -152,3 +152,64 @@ def test_engine_process_leaves_when_the_server_dies(checkpoint):
         assert not any(alive(p) for p in engines)
     finally:
         stop(proc)
+
+
+def engine_pid(server_pid: int) -> int:
+    """The engine process among the server's children (not multiprocessing's resource tracker)."""
+    for pid in children(server_pid):
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise AssertionError("no engine process")
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_stopped_engine_is_noticed_and_its_recovery_restores_service(checkpoint):
+    """SIGSTOP on the engine: /health says so, waiting requests end with a clear error, new ones
+    get 503; after SIGCONT the server serves again. (A 1 s engine timeout keeps this short.)"""
+    proc, url = start(
+        checkpoint, "--max-model-len", "256", "--served-model-name", "m", "--engine-timeout", "1"
+    )
+    long = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
+    try:
+        wait_healthy(proc, url)
+        engine = engine_pid(proc.pid)
+        with (
+            httpx.Client(base_url=url, timeout=60) as c,
+            c.stream("POST", "/v1/completions", json={**long, "stream": True}) as stream,
+        ):
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(engine, signal.SIGSTOP)
+            try:
+                whole = c.post("/v1/completions", json=long)  # waits on the stopped engine
+                assert whole.status_code == 503, whole.text
+                assert "has not answered" in whole.json()["error"]["message"]
+                events = [line for line in lines if line.startswith("data: ")]
+                assert events[-1] == "data: [DONE]"
+                assert "has not answered" in events[-2] and '"code":503' in events[-2], events[-2:]
+                health = c.get("/health")
+                assert health.status_code == 503 and "has not answered" in health.json()["error"]
+                late = c.post("/v1/completions", json=long)
+                assert late.status_code == 503 and late.headers["retry-after"] == "5"
+            finally:
+                os.kill(engine, signal.SIGCONT)
+        deadline = time.time() + 30
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.time() < deadline, "the server did not recover"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        reply = client.completions.create(
+            model="m", prompt=[5, 6, 7], max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        assert reply.usage.completion_tokens == 4
+        while metric(url, "m3lm:num_requests_running") or metric(url, "m3lm:kv_cache_usage_perc"):
+            assert time.time() < deadline, "the ended requests still hold the engine"
+            time.sleep(0.1)
+        assert metric(url, "m3lm:num_requests_waiting") == 0
+    finally:
+        stop(proc)

@@ -1,8 +1,8 @@
 """The messages between the API server and the engine loop, and their msgpack encoding.
 
 The server sends `Add` and `Abort`; the engine answers once with `Ready` (or `Failed`), then
-sends one `Outputs` per step holding every request's new tokens, and `Dead` if it stops on a
-fault. Token text is not in them: the server detokenizes.
+sends one `Outputs` per step holding every request's new tokens, a `Heartbeat` at a fixed
+interval, and `Dead` if it stops on a fault. Token text is not in them: the server detokenizes.
 """
 
 from __future__ import annotations
@@ -89,8 +89,12 @@ class Outputs(msgspec.Struct, tag=True, array_like=True):
     stats: Stats
 
 
+class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+    """The engine process is running (sent at a fixed interval, whatever the loop is doing)."""
+
+
 ToEngine = Add | Abort | Shutdown
-FromEngine = Ready | Failed | Dead | Outputs
+FromEngine = Ready | Failed | Dead | Outputs | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

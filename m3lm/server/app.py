@@ -113,11 +113,12 @@ def build_app(
         },
     }
 
-    @app.get("/health", responses={503: {"description": "loading, draining or failed"}})
+    @app.get("/health", responses={503: {"description": "draining, failed or not answering"}})
     async def health():
-        if engine.alive and not state.draining:
+        error = "the server is shutting down" if state.draining else engine.health_error
+        if error is None:
             return {"status": "ok"}
-        return JSONResponse({"status": "unhealthy", "error": engine.error}, 503)
+        return JSONResponse({"status": "unhealthy", "error": error}, 503)
 
     created = int(time.time())
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "m3lm"}
@@ -309,7 +310,11 @@ def serve(
             return
         model, tokenizer, group = loaded
         try:
-            engine = AsyncEngine(LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs)), limits.max_queue)
+            engine = AsyncEngine(
+                LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs)),
+                limits.max_queue,
+                timeout_s=limits.engine_timeout_s,
+            )
             _serve(engine, tokenizer, *args)
         finally:
             group.shutdown()
@@ -329,7 +334,7 @@ def serve(
         tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else (),
         logging.getLogger().getEffectiveLevel(),
     )
-    _serve(AsyncEngine.spawn(spec, tokenizer, limits.max_queue), tokenizer, *args)
+    _serve(AsyncEngine.spawn(spec, tokenizer, limits.max_queue, limits.engine_timeout_s), tokenizer, *args)
 
 
 def _serve(engine: AsyncEngine, tokenizer, name, host, port, grace_s, limits, api_key, salt_by_key):

@@ -128,6 +128,8 @@ def _admission_error(state: ServerState, e: BaseException) -> BaseException:
         return ApiError(503, str(e), "service_unavailable", {"Retry-After": "1"})
     if isinstance(e, EngineDead):
         return ApiError(503, f"the engine has stopped: {e}", "service_unavailable")
+    if isinstance(e, Interrupted):  # the engine is not answering
+        return ApiError(503, str(e), "service_unavailable", {"Retry-After": "5"})
     if isinstance(e, ValueError):
         return ApiError(400, str(e))
     return e

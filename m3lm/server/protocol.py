@@ -70,6 +70,7 @@ class Limits:
     body_timeout_s: float = 30.0  # for its body to arrive, once the headers have
     idle_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     write_timeout_s: float = 30.0  # a client that reads nothing of a response for this long is cut off
+    engine_timeout_s: float = 5.0  # the engine not heard from this long is stalled (heartbeats: 5x as often)
     max_connections: int = 4096  # beyond this the longest idle connection is closed, or the new one gets 503
 
 
