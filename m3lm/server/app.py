@@ -26,6 +26,7 @@ from m3lm.errors import M3lmError
 from m3lm.server.asgi import ApiKeyAuth, DrainingServer, RequestLimits, guarded_h11
 from m3lm.server.handlers import ApiError, ServerState, chat_completion, completion
 from m3lm.server.metrics import Metrics
+from m3lm.server.parsers import template_messages
 from m3lm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -166,7 +167,7 @@ def build_app(
         limit = state.max_prompt_tokens
         try:
             if req.messages is not None:
-                msgs = [m.for_template() for m in req.messages]
+                msgs = template_messages([m.for_template() for m in req.messages])
                 ids = await run_in_threadpool(
                     tokenizer.chat_prompt, msgs, None, True, req.chat_template_kwargs, limit
                 )

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API, their limits, and the error object.
 
 Unknown fields are accepted and ignored (logged, a bounded summary per request), as vLLM does;
-wrong types, out-of-range values, unpaired surrogates in text, and fields whose meaning the server
-does not implement (rather than silently ignoring them) are a 400.
+wrong types, out-of-range values, unpaired surrogates in text, containers nested deeper than
+MAX_NESTING, and fields whose meaning the server does not implement (rather than silently
+ignoring them) are a 400.
 """
 
 from __future__ import annotations
@@ -23,33 +24,52 @@ _NAMES_PER_LINE = 8
 _TOKEN_ID = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit() also takes "١٢" or "²"
 
 
-def _reject_surrogates(value: Any, where: str = "") -> None:
-    """Raise ValueError for a string (key or value) holding an unpaired UTF-16 surrogate, which
-    JSON can escape ("\\ud800") but no UTF-8 text can hold."""
-    if isinstance(value, str):
-        if not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(
-                    f"{where or 'a string'} holds an unpaired surrogate (invalid Unicode)"
-                ) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _reject_surrogates(k, where)
-            _reject_surrogates(v, f"{where}.{k}" if where else str(k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _reject_surrogates(v, f"{where}[{i}]")
+MAX_NESTING = 64  # containers within containers in a request body: no schema or template needs more
+
+
+def check_json(value: Any) -> None:
+    """Raise ValueError for a body nested deeper than MAX_NESTING, or holding a string (key or
+    value) with an unpaired UTF-16 surrogate, which JSON can escape ("\\ud800") but no UTF-8 text
+    can hold. Walked with a stack of its own, so no input can exhaust the interpreter's."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
+    while stack:
+        v, depth, where = stack.pop()
+        if isinstance(v, str):
+            _check_text(v, where)
+            continue
+        if isinstance(v, dict):
+            items: Any = v.items()
+        elif isinstance(v, list):
+            items = enumerate(v)
+        else:
+            continue
+        if depth >= MAX_NESTING:
+            raise ValueError(f"{where or 'the request'} nests containers deeper than {MAX_NESTING} levels")
+        for k, x in items:
+            if isinstance(k, str):
+                _check_text(k, where)
+            # only what can fail is pushed (a long list of token ids costs a type check each)
+            if isinstance(x, (dict, list)) or (isinstance(x, str) and not x.isascii()):
+                stack.append(
+                    (x, depth + 1, f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}".lstrip("."))
+                )
+
+
+def _check_text(text: str, where: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where or 'a string'} holds an unpaired surrogate (invalid Unicode)") from None
 
 
 class _Body(BaseModel):
-    """A request body: its text must be valid Unicode."""
+    """A request body: bounded nesting, valid Unicode."""
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        _reject_surrogates(data)
+    def _valid_json(cls, data: Any) -> Any:
+        check_json(data)
         return data
 
 
@@ -231,7 +251,8 @@ class ChatMessage(BaseModel):
     reasoning: str | None = None
 
     def for_template(self) -> dict[str, Any]:
-        msg = self.model_dump(exclude_none=True, exclude={"content"})
+        """The fields the API defines (unknown ones are ignored, not shown to the template)."""
+        msg = self.model_dump(exclude_none=True, exclude={"content", *(self.model_extra or {})})
         if isinstance(self.content, list):
             msg["content"] = "".join(p.text for p in self.content)
         else:
@@ -322,7 +343,7 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model_config = ConfigDict(strict=True)
 
     model: str | None = None
