@@ -434,3 +434,40 @@ def test_nesting_within_the_bound_is_served(live, client):
     tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
     reply = client.chat.completions.create(model=NAME, messages=MSG, max_tokens=1, tools=[tool])
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+# --- 6. a body that cannot be a request is refused before it is read or parsed ----------------------
+
+
+def test_a_body_larger_than_any_request_is_refused_on_its_length(live):
+    """The context holds 256 tokens: no request needs megabytes, and none are read or parsed."""
+    s = connect(live)
+    s.sendall(f"{HEAD}Authorization: Bearer {API_KEY}\r\nContent-Length: {8 << 20}\r\n\r\n".encode())
+    answer = read_response(s)  # with no byte of the body sent
+    assert answer.startswith(b"HTTP/1.1 413") and b"request body over" in answer
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_huge_token_id_prompt_is_a_413(live, client, chunked):
+    ids = b",".join([b"1734"] * ((8 << 20) // 5 - 10))
+    body = b'{"prompt":[' + ids + b'],"max_tokens":1}'
+    content = iter([body[i : i + 65536] for i in range(0, len(body), 65536)]) if chunked else body
+    r = httpx.post(
+        live.url + "/v1/completions",
+        content=content,
+        headers={**AUTH, "Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    still_serves(live, client)
+
+
+def test_the_longest_prompt_a_request_can_hold_is_read(live, client):
+    vocab = live.engine.info.vocab_size
+    n = live.engine.max_model_len - 2  # room for one token
+    prompt = ", ".join([str(vocab - 1)] * n)
+    text = "\U0001f600" * (live.engine.tokenizer.max_token_chars * n)  # 12 bytes each in JSON
+    for body in (f'{{"prompt": [{prompt}], "max_tokens": 1}}', {"prompt": text, "max_tokens": 1}):
+        r = post(live, "/v1/completions", body)
+        assert r.status_code in (200, 400) and "body" not in r.text, r.text[:200]  # read, then judged
+    still_serves(live, client)

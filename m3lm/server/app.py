@@ -33,6 +33,7 @@ from m3lm.server.protocol import (
     DetokenizeRequest,
     Limits,
     TokenizeRequest,
+    body_bound,
     documented_errors,
     error_body,
 )
@@ -210,8 +211,12 @@ def create_server_app(
     metrics = Metrics(model_name)
     engine.metrics = metrics
     app = build_app(engine, tokenizer, model_name, limits, metrics)
-    app.state.m3lm.salt_by_tenant = cache_salt_by_api_key
-    guarded = RequestLimits(app, limits.max_body_bytes, limits.max_header_bytes, limits.body_timeout_s)
+    state = app.state.m3lm
+    state.salt_by_tenant = cache_salt_by_api_key
+    # Without a tokenizer prompts are token ids: 24 bytes of JSON each at most, as 2 characters are.
+    chars = tokenizer.max_token_chars if tokenizer is not None else 2
+    bound = body_bound(limits, state.max_prompt_tokens, chars)
+    guarded = RequestLimits(app, bound, limits.max_header_bytes, limits.body_timeout_s)
     return ApiKeyAuth(guarded, keys) if keys else guarded
 
 

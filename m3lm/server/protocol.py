@@ -25,6 +25,8 @@ _TOKEN_ID = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit() also 
 
 
 MAX_NESTING = 64  # containers within containers in a request body: no schema or template needs more
+_SCALARS = frozenset({int, float, bool, type(None)})
+BODY_SLACK = 1 << 20  # room in a request body for what is not its prompts: sampling fields, stops, ...
 
 
 def check_json(value: Any) -> None:
@@ -40,6 +42,8 @@ def check_json(value: Any) -> None:
         if isinstance(v, dict):
             items: Any = v.items()
         elif isinstance(v, list):
+            if _SCALARS.issuperset(map(type, v)):  # token ids: one pass in C, nothing to look into
+                continue
             items = enumerate(v)
         else:
             continue
@@ -92,6 +96,18 @@ class Limits:
     write_timeout_s: float = 30.0  # a client that reads nothing of a response for this long is cut off
     engine_timeout_s: float = 5.0  # the engine not heard from this long is stalled (heartbeats: 5x as often)
     max_connections: int = 4096  # beyond this the longest idle connection is closed, or the new one gets 503
+
+
+def body_bound(limits: Limits, max_prompt_tokens: int, max_token_chars: int | None) -> int:
+    """The largest request body worth reading, so that a body that cannot be a request is refused
+    (413) before it is read and parsed: `max_n` prompts of `max_prompt_tokens` tokens, each token
+    written at its longest in JSON (a character escaped as a surrogate pair is 12 bytes; an id, its
+    comma and a space 24), plus `BODY_SLACK`. `max_token_chars` None: text prompts have no such
+    bound (the tokenizer may drop characters), so only `limits.max_body_bytes` applies."""
+    if max_token_chars is None:
+        return limits.max_body_bytes
+    per_token = max(24, 12 * max_token_chars)
+    return min(limits.max_body_bytes, limits.max_n * max_prompt_tokens * per_token + BODY_SLACK)
 
 
 def error_body(
