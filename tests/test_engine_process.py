@@ -213,3 +213,18 @@ def test_a_stopped_engine_is_noticed_and_its_recovery_restores_service(checkpoin
         assert metric(url, "m3lm:num_requests_waiting") == 0
     finally:
         stop(proc)
+
+
+def test_a_cpu_pool_past_the_memory_available_is_refused_before_it_is_allocated(checkpoint):
+    from m3lm.engine.engine import available_ram
+
+    free = available_ram()
+    if free is None:
+        pytest.skip("the available memory is not known here")
+    too_much = f"{2 * free // (1 << 30) + 1}GiB"
+    proc, _ = start(checkpoint, "--device", "cpu", "--kv-cache-memory", too_much)
+    code = proc.wait(timeout=120)
+    out = stop(proc)
+    last = out.strip().splitlines()[-1]
+    assert code == 1 and last.startswith("m3lm: error: the KV cache needs"), out[-2000:]
+    assert "of memory available" in last and "Traceback" not in out
