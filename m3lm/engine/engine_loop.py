@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -270,10 +271,18 @@ def run_engine_process(spec: EngineSpec, in_addr: str, out_addr: str, parent_pid
         ctx.destroy(linger=0)
         if group is not None:
             group.shutdown(timeout=10.0)
+        if os.getppid() != parent_pid:  # the server has gone without removing its socket folder
+            remove_ipc_folder(in_addr)
         sys.stdout.flush()
         sys.stderr.flush()
         if code:
             os._exit(code)
+
+
+def remove_ipc_folder(addr: str) -> None:
+    """Remove the folder of an `ipc://FOLDER/NAME` address (the server makes one per engine)."""
+    if addr.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(addr.removeprefix("ipc://")), ignore_errors=True)
 
 
 def warm_up_if_on(engine: LLMEngine) -> float:

@@ -288,7 +288,8 @@ class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose SIGTERM drains: `start_drain` is called (the app then answers /health and
     new requests with 503) and the server keeps listening until `open_requests()` is 0 or `grace_s`
     has passed; then `end_open()` ends what is still open, and the server shuts down. A second
-    SIGTERM, or SIGINT, stops at once as uvicorn does. The process then exits normally (status 0)."""
+    SIGTERM, or SIGINT, ends what is open at once (with its error) and shuts down; a signal after
+    that forces the exit, as uvicorn does. The process then exits normally (status 0)."""
 
     def __init__(
         self,
@@ -308,11 +309,19 @@ class DrainingServer(uvicorn.Server):
         self.drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
-        if sig == signal.SIGTERM and self.drain_deadline is None and not self.should_exit:
+        if self.should_exit:  # stopping already: a further signal forces it, as in uvicorn
+            return super().handle_exit(sig, frame)
+        first = self.drain_deadline is None
+        if first:
             self.drain_deadline = time.monotonic() + self.grace_s
             self.start_drain()
-            return
-        super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                return
+        # A second SIGTERM, or SIGINT: stop now, but end what is open with an error first, so that
+        # streams get their error event and [DONE], and whole replies a JSON 503.
+        log.warning("stopping now: ending %d open request(s)", self.open_requests())
+        self.end_open()
+        self.should_exit = True
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_deadline is not None and not self.should_exit:
