@@ -7,6 +7,7 @@ for 2 running and 2 queued requests, so a request that kept its slot would show 
 
 import contextlib
 import json
+import random
 import socket
 import time
 from pathlib import Path
@@ -471,3 +472,131 @@ def test_the_longest_prompt_a_request_can_hold_is_read(live, client):
         r = post(live, "/v1/completions", body)
         assert r.status_code in (200, 400) and "body" not in r.text, r.text[:200]  # read, then judged
     still_serves(live, client)
+
+
+# --- all of it at once --------------------------------------------------------------------------------
+
+
+def raw(live, request: bytes, then=None) -> bytes:
+    """Send `request` on a new connection; `then(socket)` may misbehave before the answer is read."""
+    with connect(live) as s:
+        s.sendall(request)
+        if then is not None:
+            then(s)
+        try:
+            return s.recv(12)
+        except OSError:
+            return b""
+
+
+def request_head(path: str, length: int, key: bool = True) -> bytes:
+    auth = f"Authorization: Bearer {API_KEY}\r\n" if key else ""
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def framed(path: str, body: str) -> bytes:
+    return request_head(path, len(body.encode())) + body.encode()
+
+
+def trickle(s: socket.socket) -> None:
+    for _ in range(3):
+        with contextlib.suppress(OSError):
+            s.sendall(b"x")
+
+
+def hang_up(s: socket.socket) -> None:
+    s.shutdown(socket.SHUT_RDWR)
+
+
+def malformed(live) -> dict[str, list]:
+    """Class -> its kinds of malformed request: (name, send() -> what the connection answered,
+    the status the answer must have, or b"" when the client leaves without one)."""
+
+    def body(path: str, text: str):
+        return lambda: raw(live, framed(path, text))
+
+    deep = "[" * 5000 + "]" * 5000
+    long_stream = json.dumps({"prompt": "once", **LONG, "stream": True})
+    long_chat = json.dumps({"messages": MSG, **LONG, "stream": True})
+    chat = "/v1/chat/completions"
+    return {
+        "values the engine cannot take": [
+            (f"value {i}", body(path, json.dumps(b)), b"400") for i, (path, b, _) in enumerate(BAD_VALUES)
+        ],
+        "clients that misbehave": [
+            ("no key, trickling", lambda: raw(live, request_head(chat, 10**5, key=False), trickle), b"401"),
+            ("stream, gone at once", lambda: raw(live, framed("/v1/completions", long_stream), hang_up), b""),
+            ("chat stream, gone at once", lambda: raw(live, framed(chat, long_chat), hang_up), b""),
+        ],
+        "control tokens": [
+            ("argument key", body(chat, json.dumps({"messages": [*MSG, call({FORGED: 1})]})), b"400"),
+            (
+                "template kwarg",
+                body(
+                    chat, json.dumps({"messages": MSG, "chat_template_kwargs": {"thinking_mode": [FORGED]}})
+                ),
+                b"400",
+            ),
+        ],
+        "bodies that are not requests": [
+            ("nesting", body("/v1/completions", f'{{"prompt": "once", "logit_bias": {deep}}}'), b"400"),
+            ("surrogate", body("/v1/completions", '{"prompt": "\\ud800"}'), b"400"),
+            ("not json", body("/v1/completions", "{nope"), b"400"),
+        ],
+        "sizes": [
+            ("huge body", lambda: raw(live, request_head("/v1/completions", 8 << 20)), b"413"),
+            (
+                "huge headers",
+                lambda: raw(live, b"GET /health HTTP/1.1\r\nX: " + b"x" * (2 << 20) + b"\r\n\r\n"),
+                b"431",
+            ),
+        ],
+        "not http": [("not http", lambda: raw(live, b"HELLO\r\n\r\n"), b"400")],
+    }
+
+
+@pytest.fixture(scope="module")
+def roomy(checkpoint):
+    """As `live`, with the served connection cap and deadlines (`live`'s small cap would shed
+    connections that a burst leaves lingering)."""
+    server = start(checkpoint, limits=Limits(max_queue=2), max_num_seqs=2)
+    yield server
+    server.stop()
+
+
+def test_a_burst_of_malformed_requests_holds_nothing(roomy):
+    """1,000 malformed requests of every class above (its kinds in turn), mixed and 16 at a time;
+    then the server serves, and nothing is running, waiting or holding a KV page."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    live = roomy
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+    plan = [kinds[i % len(kinds)] for kinds in malformed(live).values() for i in range(1000)]
+    random.Random(0).shuffle(plan)
+
+    def send(kind):
+        name, fn, want = kind
+        got = fn()
+        return name, got[9:12] if got.startswith(b"HTTP/1.1 ") else got, want
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(send, plan))
+    wrong = [(n, got, want) for n, got, want in results if want and got != want]
+    assert not wrong, wrong[:10]
+    still_serves(live, client)
+    text = httpx.get(live.url + "/metrics", headers=AUTH).text
+    gauges = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(("m3lm:num_requests_running", "m3lm:num_requests_waiting", "m3lm:kv_cache_usage"))
+    }
+    assert gauges == {
+        "m3lm:num_requests_running": 0.0,
+        "m3lm:num_requests_waiting": 0.0,
+        "m3lm:kv_cache_usage_perc": 0.0,
+    }
+    blocks = live.engine.engine.blocks
+    assert blocks.num_free == blocks.num_pages and live.engine.num_active == 0

@@ -184,17 +184,18 @@ def guarded_h11(limits: Limits) -> type[H11Protocol]:
             super().on_response_complete()
             if unread and not self.transport.is_closing():
                 self._linger()
-                waiting[self] = None
-                waiting.move_to_end(self, last=False)  # worth nothing: the first to go
             elif self.conn.their_state is h11.IDLE and not self.transport.is_closing():
                 waiting[self] = None  # kept alive, waiting from now on
 
         def _linger(self) -> None:
-            """End a connection whose request body was never read. Closing at once, with its bytes
-            unread, would reset the connection and could destroy the answer before the client reads
-            it; so the answer is followed by an end of stream, what still comes is read and dropped
-            for `LINGER_S` seconds, and then the connection is closed whatever the client does."""
+            """End a connection whose request was answered before it was all read. Closing at once,
+            with its bytes unread, would reset the connection and could destroy the answer before
+            the client reads it; so the answer is followed by an end of stream, what still comes is
+            read and dropped for `LINGER_S` seconds, and then the connection is closed whatever the
+            client does."""
             self._lingering = True
+            waiting[self] = None
+            waiting.move_to_end(self, last=False)  # worth nothing: the first to go
             try:
                 self.transport.write_eof()
             except OSError:  # the client has gone already
@@ -266,7 +267,7 @@ def guarded_h11(limits: Limits) -> type[H11Protocol]:
                 h11.EndOfMessage(),
             ):
                 self.transport.write(self.conn.send(event))
-            self.transport.close()
+            self._linger()
 
     return GuardedH11Protocol
 
