@@ -600,3 +600,35 @@ def test_a_burst_of_malformed_requests_holds_nothing(roomy):
     }
     blocks = live.engine.engine.blocks
     assert blocks.num_free == blocks.num_pages and live.engine.num_active == 0
+
+
+# --- every error, at every layer, is an OpenAI error object -------------------------------------------
+
+
+def test_a_fault_outside_the_routes_is_a_json_500(live, client, monkeypatch):
+    from m3lm.server.asgi import RequestLimits
+
+    async def broken(self, receive):
+        raise RuntimeError("a fault below the app")
+
+    monkeypatch.setattr(RequestLimits, "_read_body", broken)
+    r = post(live, "/v1/completions", TEXT)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error", r.text
+    monkeypatch.undo()
+    still_serves(live, client)
+
+
+def test_a_fault_inside_a_stream_is_an_error_event_then_done(live, client, monkeypatch):
+    from m3lm.server.choice import Choice
+
+    def broken(self, out):
+        raise RuntimeError("a fault while streaming")
+
+    monkeypatch.setattr(Choice, "consume", broken)
+    body = {"prompt": "once", **LONG, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, headers=AUTH, timeout=30) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    monkeypatch.undo()
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["type"] == "internal_error"
+    still_serves(live, client)

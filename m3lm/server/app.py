@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m3lm.engine.async_engine import AsyncEngine
 from m3lm.errors import M3lmError
-from m3lm.server.asgi import ApiKeyAuth, DrainingServer, RequestLimits, guarded_h11
+from m3lm.server.asgi import ApiKeyAuth, DrainingServer, JsonErrors, RequestLimits, guarded_h11
 from m3lm.server.handlers import ApiError, ServerState, chat_completion, completion
 from m3lm.server.metrics import Metrics
 from m3lm.server.parsers import template_messages
@@ -202,8 +202,8 @@ def create_server_app(
     limits: Limits,
     cache_salt_by_api_key: bool = False,
 ):
-    """The ASGI app as served: the key checked on the headers, then the size and time limits,
-    then the FastAPI app. With `cache_salt_by_api_key` each key's requests share cached pages
+    """The ASGI app as served: JSON for any fault, the key checked on the headers, then the size
+    and time limits, then the FastAPI app. With `cache_salt_by_api_key` each key's requests share cached pages
     only among themselves."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if cache_salt_by_api_key and not keys:
@@ -217,7 +217,7 @@ def create_server_app(
     chars = tokenizer.max_token_chars if tokenizer is not None else 2
     bound = body_bound(limits, state.max_prompt_tokens, chars)
     guarded = RequestLimits(app, bound, limits.max_header_bytes, limits.body_timeout_s)
-    return ApiKeyAuth(guarded, keys) if keys else guarded
+    return JsonErrors(ApiKeyAuth(guarded, keys) if keys else guarded)
 
 
 def server_config(app, limits: Limits, grace_s: float, **kwargs) -> uvicorn.Config:
@@ -228,6 +228,7 @@ def server_config(app, limits: Limits, grace_s: float, **kwargs) -> uvicorn.Conf
         timeout_keep_alive=limits.idle_timeout_s,
         timeout_graceful_shutdown=grace_s,
         h11_max_incomplete_event_size=UVICORN_MAX_HEADERS,
+        ws="none",  # no WebSocket route: an upgrade request is an HTTP request like the rest
         **kwargs,
     )
 

@@ -39,6 +39,33 @@ async def send_error(
     await send({"type": "http.response.body", "body": body})
 
 
+class JsonErrors:
+    """Pure ASGI, outermost: a fault anywhere below that escapes before a response has started is
+    answered with an OpenAI error object (uvicorn would send plain text); after it has started,
+    the connection is closed as uvicorn does."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            if started:
+                raise
+            log.exception("internal error")
+            await send_error(send, 500, f"internal error: {type(e).__name__}", "internal_error")
+
+
 class ApiKeyAuth:
     """Pure ASGI: every path but /health needs `Authorization: Bearer <key>` for one of `api_keys`
     (each compared in constant time). The request's `state.tenant` is then a digest of its key.

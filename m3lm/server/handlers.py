@@ -8,6 +8,7 @@ answer on token ids (`ReplyParser`); in chat, stop strings apply to the answer o
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +43,7 @@ from m3lm.server.protocol import ChatCompletionRequest, CompletionRequest, Limit
 from m3lm.server.reasoning import ReplyFormat, ReplyParser, detect_thinking_mode
 
 _json = msgspec.json.Encoder().encode
+log = logging.getLogger("m3lm.server")
 
 
 class ApiError(Exception):
@@ -499,6 +501,9 @@ async def _stream(
         yield _sse(error_body(f"the engine stopped: {e}", "internal_error", code=500))
     except Interrupted as e:
         yield _sse(error_body(str(e), "service_unavailable", code=503))
+    except Exception as e:  # a fault of ours: the client still gets an error event and the end
+        log.exception("a stream failed")
+        yield _sse(error_body(f"internal error: {type(e).__name__}", "internal_error", code=500))
     finally:
         await events.aclose()
     yield b"data: [DONE]\n\n"
