@@ -10,8 +10,10 @@ free loopback port, then keeps open, for the whole run:
 - `--idle` (1000) connections that send nothing, opened again whenever the server closes one.
 
 Once they are all open, an authenticated client sends a request every `--every-s` (0.5 s) for
-`--seconds` (30 s), each on a new connection: alternately a short completion and /health. Each is
-timed from connecting to the last byte of the answer. Check: every one is answered 200 within
+`--seconds` (30 s), each on a new connection: alternately a two-token completion and /health.
+Each is timed from connecting to the last byte of the answer. The same client runs for
+`--seconds` before the flood too, so that what the machine itself costs (other load on shared
+cores) is on record beside it. Check: every request during the flood is answered 200 within
 `--max-s` (2 s). Also reported: how long the server kept a trickling connection after its 401,
 how long it kept an idle one, and how often the flood had to reconnect. Run from the repository root:
 
@@ -146,7 +148,7 @@ def run_flood(port: int, a: argparse.Namespace, ready, done, results) -> None:
 def measure(url: str, a: argparse.Namespace) -> list[tuple[str, int | str, float]]:
     """The authenticated client: (route, status or error, seconds) per request."""
     auth = {"Authorization": f"Bearer {KEY}"}
-    body = {"prompt": "Once upon a time", "max_tokens": 8}
+    body = {"prompt": "Once upon a time", "max_tokens": 2}
     out = []
     end = time.monotonic() + a.seconds
     i = 0
@@ -191,6 +193,7 @@ def main() -> int:
     try:
         server.wait_healthy(time.monotonic() + 300)
         port = int(server.url.rsplit(":", 1)[1])
+        quiet = measure(server.url, a)
         flooding = ctx.Process(target=run_flood, args=(port, a, ready, done, out), daemon=True)
         flooding.start()
         if not ready.wait(120):
@@ -211,7 +214,14 @@ def main() -> int:
     times = [s for _, _, s in results]
     statuses = Counter(str(st) for _, st, _ in results)
     held = flood.held_after_refusal
+    calm = [s for _, _, s in quiet]
     rows = [
+        (
+            "before the flood: requests, statuses, median / max time (s)",
+            f"{len(quiet)}, "
+            + ", ".join(f"{k}: {v}" for k, v in sorted(Counter(str(st) for _, st, _ in quiet).items()))
+            + f", {pct(calm, 50):.3f} / {max(calm):.3f}",
+        ),
         ("flood: trickling after a refusal / idle", f"{a.tricklers} / {a.idle}"),
         (
             "flood connections open at the end (trickling / idle)",

@@ -337,6 +337,15 @@ class LLMEngine:
         return res
 
 
+def check_prompt_length(n: int, max_model_len: int) -> None:
+    """Raise ValueError when a prompt of `n` tokens leaves no room for a generated one."""
+    if n >= max_model_len:
+        raise ValueError(
+            f"this model's maximum context length is {max_model_len} tokens and the prompt has "
+            f"{n}: the context holds {max_model_len} (prompt plus at least one generated token)"
+        )
+
+
 def validate_request(
     prompt_ids: list[int], params: SamplingParams | None, max_model_len: int, vocab: int
 ) -> None:
@@ -344,12 +353,7 @@ def validate_request(
     stop token id outside the vocabulary."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    if len(prompt_ids) >= max_model_len:
-        raise ValueError(
-            f"this model's maximum context length is {max_model_len} tokens and the prompt has "
-            f"{len(prompt_ids)}: the context holds {max_model_len} (prompt plus at least one "
-            "generated token)"
-        )
+    check_prompt_length(len(prompt_ids), max_model_len)
     bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")

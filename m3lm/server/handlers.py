@@ -28,7 +28,7 @@ from m3lm.engine.async_engine import (
     QueueFull,
     RequestStream,
 )
-from m3lm.engine.engine import StepOutput
+from m3lm.engine.engine import StepOutput, check_prompt_length
 from m3lm.server.choice import (
     Choice,
     completion_logprobs,
@@ -282,11 +282,8 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
                     raise ValueError("this model has no tokenizer; send token ids")
                 tok.check_fits(p, state.max_prompt_tokens)
                 p = await run_in_threadpool(tok.encode, p)
-            elif len(p) >= state.max_model_len:  # refused before any copy of a long list
-                raise ValueError(
-                    f"the prompt has {len(p)} tokens; the context holds {state.max_model_len} "
-                    "(prompt plus at least one generated token)"
-                )
+            else:  # before any copy of a long list
+                check_prompt_length(len(p), state.max_model_len)
             ids.append(list(p))
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = req.sampling(
