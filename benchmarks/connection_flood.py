@@ -222,6 +222,11 @@ def main() -> int:
             + ", ".join(f"{k}: {v}" for k, v in sorted(Counter(str(st) for _, st, _ in quiet).items()))
             + f", {pct(calm, 50):.3f} / {max(calm):.3f}",
         ),
+        *(
+            (f"  {route} before the flood: median / max (s)", f"{pct(ts, 50):.3f} / {max(ts):.3f}")
+            for route in ("/v1/completions", "/health")
+            if (ts := [s for r, _, s in quiet if r == route])
+        ),
         ("flood: trickling after a refusal / idle", f"{a.tricklers} / {a.idle}"),
         (
             "flood connections open at the end (trickling / idle)",
@@ -251,6 +256,11 @@ def main() -> int:
         (
             "their time, connect to answer: median / p99 / max (s)",
             f"{pct(times, 50):.3f} / {pct(times, 99):.3f} / {max(times):.3f}",
+        ),
+        *(
+            (f"  {route}: median / max (s)", f"{pct(ts, 50):.3f} / {max(ts):.3f}")
+            for route in ("/v1/completions", "/health")
+            if (ts := [s for r, _, s in results if r == route])
         ),
         ("answered 200 within the bound", f"{len(ok) - sum(1 for s in ok if s > a.max_s)} of {len(results)}"),
         (

@@ -165,8 +165,7 @@ def guarded_h11(limits: Limits) -> type[H11Protocol]:
       deadline in `RequestLimits` (408).
     - After a response: a connection whose request body was never read (a 401, 408 or 413 sent
       before the body came) is closed within `LINGER_S`, so a client trickling bytes into it holds
-      nothing.
-      Idle keep-alive connections close after uvicorn's `timeout_keep_alive`.
+      nothing. Idle keep-alive connections close after uvicorn's `timeout_keep_alive`.
     - Writing: a client that reads nothing of a response for `limits.write_timeout_s` is cut off.
     - Beyond `limits.max_connections`, a new connection closes the one that has waited longest
       without a request under way (idle sockets cannot lock clients out); only when every
