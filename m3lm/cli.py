@@ -307,7 +307,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         device=args.device,
         dtype=args.dtype,
-        limits=Limits(max_queue=args.max_queue),
+        limits=Limits(max_queue=args.max_queue, engine_timeout_s=args.engine_timeout),
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -352,6 +352,14 @@ def build_parser(commands) -> argparse.ArgumentParser:
         "longest known prefix)",
     )
     srv.add_argument(
+        "--engine-timeout",
+        type=_seconds,
+        default=5.0,
+        metavar="S",
+        help="seconds without a heartbeat from the engine process before it counts as stalled: "
+        "/health answers 503 and open requests end with an error until it answers again",
+    )
+    srv.add_argument(
         "--no-web-ui",
         dest="web_ui",
         action="store_false",

@@ -121,6 +121,8 @@ class SamplingParams:
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 1024  # entries: more would make every step's bias tensor a request's to size
     INT64_RANGE = (-(2**63), 2**63 - 1)  # seed and top_k: signed 64-bit integers, as the sampler holds them
+    # Below this a temperature is greedy: dividing logits by it would overflow float32 (vLLM's bound).
+    MIN_TEMPERATURE = 1e-5
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> None:
@@ -130,13 +132,18 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < (self.prompt_logprobs is None):
-            bad("max_tokens", "must be an integer >= 1 (0 only with prompt_logprobs)")
+        lo, hi = self.INT64_RANGE
+        if any(not 0 <= t <= hi for t in self.stop_token_ids):
+            bad("stop_token_ids", "token ids must be in [0, 2^63)")
+        if (
+            not isinstance(self.max_tokens, int)
+            or not (self.prompt_logprobs is None) <= self.max_tokens <= hi
+        ):
+            bad("max_tokens", "must be an integer in [1, 2^63) (0 only with prompt_logprobs)")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", "must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        lo, hi = self.INT64_RANGE
         if not isinstance(self.top_k, int) or not lo <= self.top_k <= hi:
             bad("top_k", "must be a signed 64-bit integer (<= 0 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
@@ -158,12 +165,14 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
             bad("logit_bias", f"at most {self.MAX_LOGIT_BIAS} entries")
-        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
-            bad("logit_bias", "token ids must be >= 0 and biases in [-100, 100]")
+        if any(not 0 <= t <= hi or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            bad("logit_bias", "token ids must be in [0, 2^63) and biases in [-100, 100]")
+        if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
+            bad("logit_bias", "names a token id more than once")  # the biases would add up past the cap
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < self.MIN_TEMPERATURE or self.top_k == 1
 
     @classmethod
     def from_generation_config(cls, gen: dict | None, **overrides) -> SamplingParams:

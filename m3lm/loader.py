@@ -133,6 +133,8 @@ def weight_files(path: Path) -> list[Path]:
         return files
     single = path / "model.safetensors"
     if single.is_file():
+        if not single.resolve().is_relative_to(path.resolve()):
+            raise CheckpointError(f"{single} leads outside the model folder (to {single.resolve()})")
         return [single]
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 

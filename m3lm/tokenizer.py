@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -108,6 +109,9 @@ class Tokenizer:
         self._decoder, self._decode_lock = _decoder_copy(backend), threading.Lock()
         self.max_token_chars: int | None = _max_token_chars(hf, backend)
         self._normalizer = backend.normalizer if backend is not None else None
+        # Added tokens, written as text, that the template could be made to emit as tokens.
+        control = sorted((t.content for t in hf.added_tokens_decoder.values() if t.content.strip()), key=len)
+        self._control = re.compile("|".join(re.escape(t) for t in reversed(control))) if control else None
 
     def info(self, max_model_len: int) -> dict[str, Any]:
         """What a client needs to tokenize like the server: the special tokens, the class, the
@@ -188,6 +192,7 @@ class Tokenizer:
         template_kwargs = dict(template_kwargs or {})
         if clash := sorted(self._reserved & template_kwargs.keys()):
             raise ValueError(f"chat template arguments {clash} are not allowed")
+        self._check_template_input(messages, tools, template_kwargs)
         args = {
             "conversation": [dict(m) for m in messages],
             "tools": [dict(t) for t in tools] if tools else None,
@@ -199,6 +204,31 @@ class Tokenizer:
             if _text_size([messages, tools, template_kwargs]) * _TEMPLATE_GROWTH > bound:
                 self.check_fits(self._render(tokenize=False, **args), max_tokens)
         return list(self._render(tokenize=True, return_dict=False, sanitize_control_tokens=True, **args))
+
+    def _check_template_input(self, messages: Any, tools: Any, template_kwargs: Mapping[str, Any]) -> None:
+        """Raise ValueError for what the template would render unescaped: transformers encodes the
+        control tokens in strings as text, but not in mapping keys (a tool call's argument names, a
+        schema's property names), nor once the template has turned a container into its repr (the
+        markers that make them text are then escaped away). So keys must hold no control token and
+        template arguments must be plain values."""
+        for name, value in template_kwargs.items():
+            if not (value is None or isinstance(value, (str, int, float, bool))):
+                raise ValueError(
+                    f"chat_template_kwargs.{name} must be a string, number, boolean or null, "
+                    f"not {type(value).__name__}"
+                )
+        if self._control is None:
+            return
+        stack: list[Any] = [messages, tools, template_kwargs]
+        while stack:  # a stack of its own: the depth of client data is no concern here
+            v = stack.pop()
+            if isinstance(v, Mapping):
+                for k, x in v.items():
+                    if isinstance(k, str) and (hit := self._control.search(k)):
+                        raise ValueError(f"the key {k[:64]!r} holds the control token {hit.group()!r}")
+                    stack.append(x)
+            elif isinstance(v, (list, tuple)):
+                stack.extend(v)
 
     def _render(self, **args: Any):
         import jinja2  # a dependency of transformers' chat templates

@@ -4,6 +4,8 @@ Over real HTTP with the official client: a request, the engine process failing t
 engine process dying while a stream is open, and the server dying under the engine.
 """
 
+import asyncio
+import json
 import os
 import signal
 import socket
@@ -36,7 +38,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(checkpoint: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def start(checkpoint: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     argv = [sys.executable, "-m", "m3lm", "serve", "--model", str(checkpoint), "--port", str(port), *extra]
     proc = subprocess.Popen(
@@ -44,7 +46,7 @@ def start(checkpoint: Path, *extra: str) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     return proc, f"http://127.0.0.1:{port}"
 
@@ -171,3 +173,149 @@ def test_a_thread_hosted_engine_reports_its_warm_up_failure(checkpoint, monkeypa
     engine = ae.AsyncEngine(LLMEngine(model, tok, EngineConfig(max_model_len=256)))
     with pytest.raises(ae.EngineStartError, match="^no room for the decode graphs$"):
         engine.start()
+
+
+def engine_pid(server_pid: int) -> int:
+    """The engine process among the server's children (not multiprocessing's resource tracker)."""
+    for pid in children(server_pid):
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise AssertionError("no engine process")
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_stopped_engine_is_noticed_and_its_recovery_restores_service(checkpoint):
+    """SIGSTOP on the engine: /health says so, waiting requests end with a clear error, new ones
+    get 503; after SIGCONT the server serves again. (A 1 s engine timeout keeps this short.)"""
+    proc, url = start(
+        checkpoint, "--max-model-len", "256", "--served-model-name", "m", "--engine-timeout", "1"
+    )
+    long = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
+    try:
+        wait_healthy(proc, url)
+        engine = engine_pid(proc.pid)
+        with (
+            httpx.Client(base_url=url, timeout=60) as c,
+            c.stream("POST", "/v1/completions", json={**long, "stream": True}) as stream,
+        ):
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(engine, signal.SIGSTOP)
+            try:
+                whole = c.post("/v1/completions", json=long)  # waits on the stopped engine
+                assert whole.status_code == 503, whole.text
+                assert "has not answered" in whole.json()["error"]["message"]
+                events = [line for line in lines if line.startswith("data: ")]
+                assert events[-1] == "data: [DONE]"
+                assert "has not answered" in events[-2] and '"code":503' in events[-2], events[-2:]
+                health = c.get("/health")
+                assert health.status_code == 503 and "has not answered" in health.json()["error"]
+                late = c.post("/v1/completions", json=long)
+                assert late.status_code == 503 and late.headers["retry-after"] == "5"
+            finally:
+                os.kill(engine, signal.SIGCONT)
+        deadline = time.time() + 30
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.time() < deadline, "the server did not recover"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        reply = client.completions.create(
+            model="m", prompt=[5, 6, 7], max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        assert reply.usage.completion_tokens == 4
+        while metric(url, "m3lm:num_requests_running") or metric(url, "m3lm:kv_cache_usage_perc"):
+            assert time.time() < deadline, "the ended requests still hold the engine"
+            time.sleep(0.1)
+        assert metric(url, "m3lm:num_requests_waiting") == 0
+    finally:
+        stop(proc)
+
+
+def test_a_cpu_pool_past_the_memory_available_is_refused_before_it_is_allocated(checkpoint):
+    from m3lm.engine.engine import available_ram
+
+    free = available_ram()
+    if free is None:
+        pytest.skip("the available memory is not known here")
+    too_much = f"{2 * free // (1 << 30) + 1}GiB"
+    proc, _ = start(checkpoint, "--device", "cpu", "--kv-cache-memory", too_much)
+    code = proc.wait(timeout=120)
+    out = stop(proc)
+    last = out.strip().splitlines()[-1]
+    assert code == 1 and last.startswith("m3lm: error: the KV cache needs"), out[-2000:]
+    assert "of memory available" in last and "Traceback" not in out
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_the_socket_folder_goes_when_the_server_does(checkpoint, tmp_path, how):
+    proc, url = start(checkpoint, "--max-model-len", "256", env={"TMPDIR": str(tmp_path)})
+    try:
+        wait_healthy(proc, url)
+        assert len(list(tmp_path.glob("m3lm-*"))) == 1
+        engine = engine_pid(proc.pid)
+        proc.send_signal(how)  # SIGKILL: the server cleans nothing up; its engine does
+        proc.wait(timeout=60)
+        deadline = time.time() + 30
+        while alive(engine) or list(tmp_path.glob("m3lm-*")):
+            assert time.time() < deadline, list(tmp_path.iterdir())
+            time.sleep(0.1)
+    finally:
+        stop(proc)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_second_sigterm_ends_open_requests_with_their_errors(checkpoint):
+    proc, url = start(checkpoint, "--max-model-len", "1024", "--served-model-name", "m")
+    long = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
+    try:
+        wait_healthy(proc, url)
+
+        async def requests():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                whole = asyncio.create_task(c.post("/v1/completions", json=long))
+                async with c.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+                    lines = r.aiter_lines()
+                    async for line in lines:
+                        if line.startswith("data: "):
+                            break
+                    proc.send_signal(signal.SIGTERM)  # a drain: requests go on
+                    while (await c.get("/health")).status_code != 503:
+                        await asyncio.sleep(0.05)
+                    proc.send_signal(signal.SIGTERM)  # now: they end, each with its error
+                    events = [line async for line in lines if line.startswith("data: ")]
+                return events, await whole
+
+        events, whole = asyncio.run(requests())
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"]
+        assert whole.status_code == 503 and "shutting down" in whole.json()["error"]["message"]
+        assert proc.wait(timeout=30) == 0
+        out = stop(proc)
+        assert "Traceback" not in out, out[-3000:]
+    finally:
+        stop(proc)
+
+
+def test_a_weight_file_leading_outside_the_model_folder_is_refused(checkpoint, tmp_path):
+    import shutil
+
+    model, outside = tmp_path / "model", tmp_path / "elsewhere"
+    model.mkdir()
+    outside.mkdir()
+    for f in checkpoint.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, model / f.name)
+    shutil.copy(checkpoint / "model.safetensors", outside / "weights.safetensors")
+    (model / "model.safetensors").symlink_to(outside / "weights.safetensors")
+    proc, _ = start(model, "--max-model-len", "256")
+    code = proc.wait(timeout=120)
+    out = stop(proc)
+    last = out.strip().splitlines()[-1]
+    assert code == 1 and "leads outside the model folder" in last, out[-2000:]

@@ -66,7 +66,9 @@ def start(checkpoint, api_key=API_KEY, limits=None, grace_s=None, **engine_kwarg
     model, tok = m3lm.load(checkpoint, device="cpu")
     cfg = {"max_model_len": 256, "max_num_seqs": 16, **engine_kwargs}
     limits = limits or Limits()
-    engine = AsyncEngine(LLMEngine(model, tok, EngineConfig(**cfg)), limits.max_queue).start()
+    engine = AsyncEngine(
+        LLMEngine(model, tok, EngineConfig(**cfg)), limits.max_queue, timeout_s=limits.engine_timeout_s
+    ).start()
     server = LiveServer(create_server_app(engine, tok, NAME, api_key, limits), limits, grace_s)
     server.engine = engine
     return server

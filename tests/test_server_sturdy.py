@@ -170,7 +170,8 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(live, monkeypatc
     tok = live.engine.engine.tokenizer
     encoded = []
     monkeypatch.setattr(tok, "encode", lambda *a, **k: encoded.append(1) or [])
-    huge = "once upon a time " * (7 << 16)  # 7 MiB
+    # 1 MiB: within the largest body a request to this server can need, yet far from fitting
+    huge = "once upon a time " * (1 << 16)
     for path, body in [
         ("/v1/completions", {"prompt": huge, "max_tokens": 4}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}], "max_tokens": 4}),
@@ -179,6 +180,8 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(live, monkeypatc
     ]:
         r = httpx.post(live.url + path, json=body, headers=AUTH, timeout=PATIENCE_S)
         assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], (path, r.text[:200])
+        r = httpx.post(live.url + path, json={"prompt": huge * 7}, headers=AUTH, timeout=20)
+        assert r.status_code == 413  # past that body size: not even read
     assert encoded == []
     monkeypatch.undo()
     r = httpx.post(live.url + "/tokenize", json={"prompt": "once upon a time " * 100}, headers=AUTH)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -50,6 +51,10 @@ class EngineStartError(M3lmError):
 
 class Interrupted(Exception):
     """The server ended the request (it is shutting down)."""
+
+
+class EngineStalled(Interrupted):
+    """The engine has not answered (no heartbeat) for longer than the server waits."""
 
 
 _END = object()  # put by `abort` so that an iterator waiting for the next output wakes and ends
@@ -182,13 +187,23 @@ class AsyncEngine:
     in a process of its own. Call `start()` (it returns once the engine is ready), then `add`."""
 
     def __init__(
-        self, engine: LLMEngine | None, max_queue: int = 256, tokenizer=None, cpu_threads: int | None = 1
+        self,
+        engine: LLMEngine | None,
+        max_queue: int = 256,
+        tokenizer=None,
+        cpu_threads: int | None = 1,
+        timeout_s: float | None = 5.0,
     ):
         self.engine = engine  # the in-process engine, when the loop runs on a thread
         self.tokenizer = tokenizer if engine is None else engine.tokenizer
         if engine is not None:
             engine.detokenize = False  # the server's side does it
         self.max_queue, self.cpu_threads = max_queue, cpu_threads
+        # Without a message for `timeout_s` the engine counts as stalled; it beats 5 times as often.
+        self.timeout_s = timeout_s
+        self.heartbeat_s = None if timeout_s is None else timeout_s / 5
+        self._last_heard = time.monotonic()
+        self._stalled = False
         self.metrics = None  # server.metrics.Metrics, set by the server
         self.on_dead: Callable[[str], None] | None = None
         self.info: m.ReadyInfo | None = None
@@ -220,9 +235,11 @@ class AsyncEngine:
         self._from_engine.bind(self._out_addr)
 
     @classmethod
-    def spawn(cls, spec: EngineSpec, tokenizer=None, max_queue: int = 256) -> AsyncEngine:
-        self = cls(None, max_queue, tokenizer)
-        self._spec = spec
+    def spawn(
+        cls, spec: EngineSpec, tokenizer=None, max_queue: int = 256, timeout_s: float | None = 5.0
+    ) -> AsyncEngine:
+        self = cls(None, max_queue, tokenizer, timeout_s=timeout_s)
+        self._spec = dataclasses.replace(spec, heartbeat_s=self.heartbeat_s)
         return self
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -230,6 +247,20 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self.error is None and self.info is not None and not self._stop.is_set()
+
+    @property
+    def health_error(self) -> str | None:
+        """Why the engine cannot serve now (stopped, or not answering), or None."""
+        if self.error is not None:
+            return self.error
+        if self.info is None or self._stop.is_set():
+            return "the engine is not running"
+        if self._stalled:
+            return self._stall_message()
+        return None
+
+    def _stall_message(self) -> str:
+        return f"the engine has not answered for {time.monotonic() - self._last_heard:.1f} s"
 
     @property
     def num_active(self) -> int:
@@ -257,8 +288,11 @@ class AsyncEngine:
         while True:
             if self._from_engine.poll(200):
                 msg = m.decode_from_engine(self._from_engine.recv())
+                if isinstance(msg, m.Heartbeat):
+                    continue
                 if isinstance(msg, m.Ready):
                     self.info = msg.info
+                    self._last_heard = time.monotonic()
                     break
                 self.stop()
                 raise EngineStartError(msg.error)
@@ -275,7 +309,7 @@ class AsyncEngine:
     def _run_loop(self) -> None:
         engine = self.engine
         use_threads(engine.model, self.cpu_threads)
-        loop = EngineLoop(engine, self._ctx, self._in_addr, self._out_addr)
+        loop = EngineLoop(engine, self._ctx, self._in_addr, self._out_addr, heartbeat_s=self.heartbeat_s)
         try:
             try:
                 warm = warm_up_if_on(engine)
@@ -328,9 +362,16 @@ class AsyncEngine:
     def add(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> RequestStream:
-        """Admit a request or raise: ValueError (bad prompt), QueueFull, EngineDead."""
+        """Admit a request or raise: ValueError (bad prompt or settings), QueueFull, EngineDead,
+        EngineStalled.
+
+        Everything that can fail is done before the request is registered: once it holds a place
+        in the queue it is on its way to the engine, and only its stream's end or abort frees it.
+        """
         if self.error is not None:
             raise EngineDead(self.error)
+        if self._stalled:
+            raise EngineStalled(self._stall_message())
         request_id = request_id or f"req-{next(self._ids)}"
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, params)
@@ -338,9 +379,10 @@ class AsyncEngine:
             raise QueueFull("the server is at capacity; retry later")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        wire = m.encode_checked(m.Add(request_id, prompt_ids, params))
         stream = RequestStream(self, request_id, prompt_ids, params)
         self._streams[request_id] = stream
-        self._send(m.Add(request_id, prompt_ids, params))
+        self._send_bytes(wire)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -349,20 +391,28 @@ class AsyncEngine:
 
     def interrupt_all(self, reason: str) -> None:
         """End every open request: each is aborted and its stream raises Interrupted(reason)."""
+        self._end_all(Interrupted(reason), abort=True)
+
+    def _end_all(self, error: Exception, abort: bool) -> None:
+        """End every open request with `error` (from any thread); `abort` tells the engine to
+        drop them too, for when it can still hear."""
         streams, self._streams = list(self._streams.values()), {}
-        if streams:
+        if abort and streams:
             self._send(m.Abort([s.request_id for s in streams]))
         for stream in streams:
-            stream._put(Interrupted(reason))
+            stream.loop.call_soon_threadsafe(stream._put, error)
 
     def _send(self, msg) -> None:
+        self._send_bytes(m.encode(msg))
+
+    def _send_bytes(self, data: bytes) -> None:
         with self._send_lock:
             if self._to_engine.closed:
                 return
             try:  # never blocks: with no engine connected a PUSH socket would wait forever
-                self._to_engine.send(m.encode(msg), zmq.NOBLOCK, copy=False)
+                self._to_engine.send(data, zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                log.warning("the engine is not connected: %s dropped", type(msg).__name__)
+                log.warning("the engine is not connected: a message was dropped")
 
     # -- outputs -----------------------------------------------------------------------------
 
@@ -378,8 +428,13 @@ class AsyncEngine:
                     code = self._proc.exitcode if self._proc is not None else None
                     self._die(f"the engine process exited with code {code}")
                     return
+                self._check_heartbeat()
                 continue
             msg = m.decode_from_engine(self._from_engine.recv())
+            self._last_heard = time.monotonic()
+            if self._stalled:
+                self._stalled = False
+                log.warning("the engine answers again")
             if isinstance(msg, m.Outputs):
                 if self.metrics is not None:
                     self.metrics.observe_stats(msg.stats)
@@ -414,11 +469,21 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.observe_output(stream, res, previous, out.queued_s, now)
 
+    def _check_heartbeat(self) -> None:
+        """On the receiver thread: past `timeout_s` without a message, the engine is stalled; its
+        open requests end with EngineStalled (and are aborted, for when it resumes), new ones are
+        refused until it answers again."""
+        if self.timeout_s is None or self._stalled:
+            return
+        if time.monotonic() - self._last_heard > self.timeout_s:
+            self._stalled = True
+            message = self._stall_message()
+            log.error("%s: ending %d open request(s) until it answers", message, len(self._streams))
+            self._end_all(EngineStalled(message), abort=True)
+
     def _die(self, error: str) -> None:
         self.error = error
         log.error("the engine stopped: %s", error)
-        streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            stream.loop.call_soon_threadsafe(stream._put, EngineDead(error))
+        self._end_all(EngineDead(error), abort=False)
         if self.on_dead is not None:
             self.on_dead(error)

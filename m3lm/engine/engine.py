@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -176,11 +177,18 @@ class LLMEngine:
             **figures,
         )
         need = plan.bytes // plan.pages * (plan.pages + 1)  # and the spare page
-        if self.device.type == "cuda" and need > (free := _free_bytes(self.device)):
+        free = _free_bytes(self.device)
+        if self.device.type == "cuda" and need > free:
             raise ConfigError(
                 f"the KV cache needs {need / GIB:.2f} GiB but the GPU has {free / GIB:.2f} GiB free "
                 "(another process, or another engine in this one?); lower --gpu-memory-utilization "
                 "or set --kv-cache-memory"
+            )
+        if self.device.type == "cpu" and free is not None and need > free:
+            raise ConfigError(
+                f"the KV cache needs {need / GIB:.2f} GiB but this machine has {free / GIB:.2f} GiB "
+                "of memory available; lower --kv-cache-memory or --kv-cache-tokens (or --max-num-seqs "
+                "and --max-model-len, which size the default)"
             )
         if config.max_model_len is not None and config.max_model_len > max_pos:
             log.warning(
@@ -337,31 +345,62 @@ class LLMEngine:
         return res
 
 
+def check_prompt_length(n: int, max_model_len: int) -> None:
+    """Raise ValueError when a prompt of `n` tokens leaves no room for a generated one."""
+    if n >= max_model_len:
+        raise ValueError(
+            f"this model's maximum context length is {max_model_len} tokens and the prompt has "
+            f"{n}: the context holds {max_model_len} (prompt plus at least one generated token)"
+        )
+
+
 def validate_request(
     prompt_ids: list[int], params: SamplingParams | None, max_model_len: int, vocab: int
 ) -> None:
-    """Raise ValueError for an empty, too long or out-of-vocabulary prompt, or a logit bias
-    outside the vocabulary."""
+    """Raise ValueError for an empty, too long or out-of-vocabulary prompt, or a logit bias or
+    stop token id outside the vocabulary."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    if len(prompt_ids) >= max_model_len:
-        raise ValueError(
-            f"this model's maximum context length is {max_model_len} tokens and the prompt has "
-            f"{len(prompt_ids)}: the context holds {max_model_len} (prompt plus at least one "
-            "generated token)"
-        )
+    check_prompt_length(len(prompt_ids), max_model_len)
     bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-    bad = next((t for t, _ in params.logit_bias if t >= vocab), None) if params else None
+    if params is None:
+        return
+    bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
     if bad is not None:
         raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+    bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
 
 
-def _free_bytes(device: torch.device) -> int:
-    """Memory the pool can still take: free on the device plus what torch holds unused."""
-    held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return torch.cuda.mem_get_info(device)[0] + held
+def _free_bytes(device: torch.device) -> int | None:
+    """Memory the pool can still take: on a GPU what is free plus what torch holds unused; on the
+    CPU what the machine (and its memory cgroup, if one limits it) has available; None if unknown."""
+    if device.type == "cuda":
+        held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + held
+    if device.type != "cpu":
+        return None
+    return available_ram()
+
+
+def available_ram() -> int | None:
+    """MemAvailable, lowered to what a cgroup v2 memory limit leaves; None where neither is known."""
+    figures = []
+    try:
+        with open("/proc/meminfo") as f:
+            figures += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            figures.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(figures) if figures else None
 
 
 def _score_prompts(logits: torch.Tensor, scored: list[tuple[Sequence, range]]) -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -76,10 +78,23 @@ def to_message(out: StepOutput) -> m.Output:
 
 
 class EngineLoop:
+    """With `heartbeat_s`, a thread sends a `Heartbeat` that often while the loop runs: it beats
+    whatever the loop is doing (a long step is not a stall), and stops only when the process
+    does (stopped, frozen, starved of its interpreter) or the loop ends."""
+
     def __init__(
-        self, engine: LLMEngine, ctx: zmq.Context, in_addr: str, out_addr: str, parent_pid: int | None = None
+        self,
+        engine: LLMEngine,
+        ctx: zmq.Context,
+        in_addr: str,
+        out_addr: str,
+        parent_pid: int | None = None,
+        heartbeat_s: float | None = None,
     ):
         self.engine, self.parent_pid = engine, parent_pid
+        self.ctx, self.out_addr, self.heartbeat_s = ctx, out_addr, heartbeat_s
+        self._stopped = threading.Event()
+        self._heart: threading.Thread | None = None
         self.inbox = ctx.socket(zmq.PULL)
         self.outbox = ctx.socket(zmq.PUSH)
         for s in (self.inbox, self.outbox):
@@ -94,8 +109,24 @@ class EngineLoop:
         self.outbox.send(m.encode(msg), copy=False)
 
     def close(self) -> None:
+        self._stopped.set()
+        if self._heart is not None:
+            self._heart.join()
         self.inbox.close(0)
         self.outbox.close(0)
+
+    def _beat(self) -> None:
+        """The heartbeat thread, on a socket of its own (ZeroMQ sockets are not shared by threads)."""
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.out_addr)
+        beat = m.encode(m.Heartbeat())
+        try:
+            while not self._stopped.wait(self.heartbeat_s):
+                with contextlib.suppress(zmq.Again):
+                    sock.send(beat, zmq.NOBLOCK)
+        finally:
+            sock.close(0)
 
     def _orphaned(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
@@ -130,6 +161,9 @@ class EngineLoop:
     def run(self) -> None:
         """Serve until `Shutdown` or the parent's exit; a fault is reported as `Dead`, then raised."""
         engine = self.engine
+        if self.heartbeat_s:
+            self._heart = threading.Thread(target=self._beat, name="m3lm-heartbeat", daemon=True)
+            self._heart.start()
         try:
             while self._receive(0 if engine.has_unfinished() else IDLE_POLL_MS):
                 if self._orphaned():
@@ -142,6 +176,8 @@ class EngineLoop:
         except Exception as e:
             self.send(m.Dead(f"{type(e).__name__}: {e}"))
             raise
+        finally:
+            self._stopped.set()
 
 
 @dataclass
@@ -159,6 +195,7 @@ class EngineSpec:
     eos_ids: tuple[int, ...] = ()  # the tokenizer's, which the engine process does not load
     log_level: int = logging.INFO
     threads: int | None = None  # torch's CPU threads (`m3lm.threads.use_threads`)
+    heartbeat_s: float | None = None  # the heartbeat's interval (None: no heartbeat)
 
 
 def build_engine(spec: EngineSpec):
@@ -224,7 +261,7 @@ def run_engine_process(spec: EngineSpec, in_addr: str, out_addr: str, parent_pid
             out.close()
             code = 1
             return
-        loop = EngineLoop(engine, ctx, in_addr, out_addr, parent_pid)
+        loop = EngineLoop(engine, ctx, in_addr, out_addr, parent_pid, spec.heartbeat_s)
         log.info("engine ready in %.1f s", time.perf_counter() - start)
         loop.send(m.Ready(engine_info(engine, warm)))
         loop.run()
@@ -237,10 +274,18 @@ def run_engine_process(spec: EngineSpec, in_addr: str, out_addr: str, parent_pid
         ctx.destroy(linger=0)
         if group is not None:
             group.shutdown(timeout=10.0)
+        if os.getppid() != parent_pid:  # the server has gone without removing its socket folder
+            remove_ipc_folder(in_addr)
         sys.stdout.flush()
         sys.stderr.flush()
         if code:
             os._exit(code)
+
+
+def remove_ipc_folder(addr: str) -> None:
+    """Remove the folder of an `ipc://FOLDER/NAME` address (the server makes one per engine)."""
+    if addr.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(addr.removeprefix("ipc://")), ignore_errors=True)
 
 
 def warm_up_if_on(engine: LLMEngine) -> float:

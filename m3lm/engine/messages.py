@@ -1,8 +1,8 @@
 """The messages between the API server and the engine loop, and their msgpack encoding.
 
 The server sends `Add` and `Abort`; the engine answers once with `Ready` (or `Failed`), then
-sends one `Outputs` per step holding every request's new tokens, and `Dead` if it stops on a
-fault. Token text is not in them: the server detokenizes.
+sends one `Outputs` per step holding every request's new tokens, a `Heartbeat` at a fixed
+interval, and `Dead` if it stops on a fault. Token text is not in them: the server detokenizes.
 """
 
 from __future__ import annotations
@@ -89,8 +89,12 @@ class Outputs(msgspec.Struct, tag=True, array_like=True):
     stats: Stats
 
 
+class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+    """The engine process is running (sent at a fixed interval, whatever the loop is doing)."""
+
+
 ToEngine = Add | Abort | Shutdown
-FromEngine = Ready | Failed | Dead | Outputs
+FromEngine = Ready | Failed | Dead | Outputs | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)
@@ -99,6 +103,17 @@ _from_engine = msgspec.msgpack.Decoder(FromEngine)
 
 def encode(msg: ToEngine | FromEngine) -> bytes:
     return _encoder.encode(msg)
+
+
+def encode_checked(msg: ToEngine) -> bytes:
+    """`msg` encoded, once it is known to decode as the engine will decode it; ValueError when
+    it cannot make the trip (an integer past 64 bits, a value the engine's types refuse)."""
+    try:
+        data = _encoder.encode(msg)
+        _to_engine.decode(data)
+    except (OverflowError, TypeError, ValueError, msgspec.MsgspecError) as e:
+        raise ValueError(f"the request cannot be passed to the engine: {e}") from None
+    return data
 
 
 def decode_to_engine(data: bytes) -> ToEngine:

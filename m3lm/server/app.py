@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import replace
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -25,16 +26,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from m3lm.engine.async_engine import AsyncEngine
 from m3lm.errors import M3lmError
 from m3lm.server import web
-from m3lm.server.asgi import ApiKeyAuth, DrainingServer, RequestLimits, guarded_h11
+from m3lm.server.asgi import ApiKeyAuth, DrainingServer, JsonErrors, RequestLimits, guarded_h11
 from m3lm.server.handlers import ApiError, ServerState, chat_completion, completion
 from m3lm.server.lifecycle import bind, stop_on_signals
 from m3lm.server.metrics import Metrics
+from m3lm.server.parsers import template_messages
 from m3lm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     Limits,
     TokenizeRequest,
+    body_bound,
     documented_errors,
     error_body,
 )
@@ -123,11 +126,12 @@ def build_app(
         },
     }
 
-    @app.get("/health", responses={503: {"description": "loading, draining or failed"}})
+    @app.get("/health", responses={503: {"description": "draining, failed or not answering"}})
     async def health():
-        if engine.alive and not state.draining:
+        error = "the server is shutting down" if state.draining else engine.health_error
+        if error is None:
             return {"status": "ok"}
-        return JSONResponse({"status": "unhealthy", "error": engine.error}, 503)
+        return JSONResponse({"status": "unhealthy", "error": error}, 503)
 
     created = int(time.time())
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "m3lm"}
@@ -186,7 +190,7 @@ def build_app(
         limit = state.max_prompt_tokens
         try:
             if req.messages is not None:
-                msgs = [m.for_template() for m in req.messages]
+                msgs = template_messages([m.for_template() for m in req.messages])
                 ids = await run_in_threadpool(
                     tokenizer.chat_prompt, msgs, None, True, req.chat_template_kwargs, limit
                 )
@@ -221,34 +225,58 @@ def create_server_app(
     cache_salt_by_api_key: bool = False,
     web_ui: bool = True,
 ):
-    """The ASGI app as served: the key checked on the headers, then the size and time limits,
-    then the FastAPI app. With `cache_salt_by_api_key` each key's requests share cached pages
-    only among themselves. `web_ui`: the chat page at / (its files need no key; its API calls do)."""
+    """The ASGI app as served: JSON for any fault, the key checked on the headers, then the size
+    and time limits, then the FastAPI app. With `cache_salt_by_api_key` each key's requests share
+    cached pages only among themselves. `web_ui`: the chat page at / (its files need no key; its
+    API calls do)."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if cache_salt_by_api_key and not keys:
         raise ValueError("cache_salt_by_api_key needs API keys")
     metrics = Metrics(model_name)
     engine.metrics = metrics
     app = build_app(engine, tokenizer, model_name, limits, metrics)
-    app.state.m3lm.salt_by_tenant = cache_salt_by_api_key
+    state = app.state.m3lm
+    state.salt_by_tenant = cache_salt_by_api_key
     if web_ui:
         web.add_web_ui(app)
-    guarded = RequestLimits(app, limits.max_body_bytes, limits.max_header_bytes, limits.body_timeout_s)
+    # Without a tokenizer prompts are token ids: 24 bytes of JSON each at most, as 2 characters are.
+    chars = tokenizer.max_token_chars if tokenizer is not None else 2
+    bound = body_bound(limits, state.max_prompt_tokens, chars)
+    guarded = RequestLimits(app, bound, limits.max_header_bytes, limits.body_timeout_s)
     public = {"/health", *(web.PATHS if web_ui else ())}
-    return ApiKeyAuth(guarded, keys, public) if keys else guarded
+    return JsonErrors(ApiKeyAuth(guarded, keys, public) if keys else guarded)
 
 
 def server_config(app, limits: Limits, grace_s: float, **kwargs) -> uvicorn.Config:
     """uvicorn's settings as served: connection caps and timeouts from `limits`."""
     return uvicorn.Config(
         app,
-        http=guarded_h11(limits.header_timeout_s),
+        http=guarded_h11(limits),
         timeout_keep_alive=limits.idle_timeout_s,
-        limit_concurrency=limits.max_connections,
         timeout_graceful_shutdown=grace_s,
         h11_max_incomplete_event_size=UVICORN_MAX_HEADERS,
+        ws="none",  # no WebSocket route: an upgrade request is an HTTP request like the rest
         **kwargs,
     )
+
+
+def room_for_connections(limits: Limits) -> Limits:
+    """`limits` once this process may open enough files for its connection cap: the soft limit
+    is raised as far as the hard one allows, and the cap lowered to what is left if that is not
+    enough (a listener out of descriptors stops accepting anyone)."""
+    import resource
+
+    reserve = 256  # the listener, the engine's sockets, model and log files
+    need = limits.max_connections + reserve
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft != resource.RLIM_INFINITY and soft < need:
+        cap = max(soft - reserve, 16)
+        log.warning("at most %d open files: the connection cap is lowered to %d", soft, cap)
+        limits = replace(limits, max_connections=cap)
+    return limits
 
 
 def draining_server(config: uvicorn.Config, app, grace_s: float) -> DrainingServer:
@@ -309,7 +337,7 @@ def serve(
     from m3lm.loader import check_dir, resolve_device
     from m3lm.tokenizer import load_tokenizer
 
-    limits = limits or Limits()
+    limits = room_for_connections(limits or Limits())
     name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
     if load_format != "auto" and (tensor_parallel_size > 1 or under_torchrun()):
         raise ValueError("--load-format dummy needs --tensor-parallel-size 1")
@@ -326,7 +354,9 @@ def serve(
         model, tokenizer, group = loaded
         try:
             llm_engine = LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs))
-            engine = AsyncEngine(llm_engine, limits.max_queue, cpu_threads=threads)
+            engine = AsyncEngine(
+                llm_engine, limits.max_queue, cpu_threads=threads, timeout_s=limits.engine_timeout_s
+            )
             _serve(
                 engine,
                 tokenizer,
@@ -361,7 +391,7 @@ def serve(
             logging.getLogger().getEffectiveLevel(),
             threads,
         )
-        engine = AsyncEngine.spawn(spec, tokenizer, limits.max_queue)
+        engine = AsyncEngine.spawn(spec, tokenizer, limits.max_queue, limits.engine_timeout_s)
     _serve(engine, tokenizer, sock, name, host, port, grace_s, limits, api_key, cache_salt_by_api_key, web_ui)
 
 

@@ -8,6 +8,7 @@ answer on token ids (`ReplyParser`); in chat, stop strings apply to the answer o
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -20,8 +21,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from m3lm.core import SamplingParams
-from m3lm.engine.async_engine import AsyncEngine, EngineDead, Interrupted, QueueFull, RequestStream
-from m3lm.engine.engine import StepOutput
+from m3lm.engine.async_engine import (
+    AsyncEngine,
+    EngineDead,
+    Interrupted,
+    QueueFull,
+    RequestStream,
+)
+from m3lm.engine.engine import StepOutput, check_prompt_length
 from m3lm.server.choice import (
     Choice,
     completion_logprobs,
@@ -36,6 +43,7 @@ from m3lm.server.protocol import ChatCompletionRequest, CompletionRequest, Limit
 from m3lm.server.reasoning import ReplyFormat, ReplyParser, detect_thinking_mode
 
 _json = msgspec.json.Encoder().encode
+log = logging.getLogger("m3lm.server")
 
 
 class ApiError(Exception):
@@ -79,30 +87,68 @@ def tenant_salt(state: ServerState, request: Request, salt: str | None) -> str |
     return f"{request.state.tenant}:{salt or ''}"
 
 
-def submit(state: ServerState, prompt_ids: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
-    """Admit n samples of one prompt, or none of them."""
-    if params.max_tokens > state.max_model_len:
-        raise ApiError(
-            400, f"max_tokens = {params.max_tokens} exceeds the context length {state.max_model_len}"
-        )
-    if state.draining:
-        raise ApiError(503, "the server is shutting down", "service_unavailable", {"Retry-After": "5"})
-    streams: list[RequestStream] = []
-    try:
-        for i in range(n):
-            p = params if n == 1 or params.seed is None else _with_seed(params, _nth_seed(params.seed, i))
-            streams.append(state.engine.add(prompt_ids, p))
-    except QueueFull as e:
+class Slots:
+    """The engine requests of one HTTP request, and the one way to free them.
+
+    `add` admits n samples of a prompt (all or none); `release` aborts every one still running and
+    may be called any number of times. A handler releases on every way out until a response takes
+    the slots over; the response releases them once it is sent, failed or cut off
+    (`_OwningStream`), so an error, an abort, a hang-up or a cancelled task after admission cannot
+    keep a place in the queue or a KV page.
+    """
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.streams: list[RequestStream] = []
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
+        state = self.state
+        if params.max_tokens > state.max_model_len:
+            raise ApiError(
+                400, f"max_tokens = {params.max_tokens} exceeds the context length {state.max_model_len}"
+            )
+        if state.draining:
+            raise ApiError(503, "the server is shutting down", "service_unavailable", {"Retry-After": "5"})
+        added: list[RequestStream] = []
+        try:
+            for i in range(n):
+                p = params if n == 1 or params.seed is None else _with_seed(params, _nth_seed(params.seed, i))
+                added.append(state.engine.add(prompt_ids, p))
+        except BaseException as e:
+            _abort(added)
+            raise _admission_error(state, e) from None
+        self.streams += added
+        return added
+
+    def release(self) -> None:
+        _abort(self.streams)
+
+
+def _admission_error(state: ServerState, e: BaseException) -> BaseException:
+    if isinstance(e, QueueFull):
         state.metrics.rejections.labels(state.model_name).inc()
-        _abort(streams)
-        raise ApiError(503, str(e), "service_unavailable", {"Retry-After": "1"}) from None
-    except EngineDead as e:
-        _abort(streams)
-        raise ApiError(503, f"the engine has stopped: {e}", "service_unavailable") from None
-    except ValueError as e:
-        _abort(streams)
-        raise ApiError(400, str(e)) from None
-    return streams
+        return ApiError(503, str(e), "service_unavailable", {"Retry-After": "1"})
+    if isinstance(e, EngineDead):
+        return ApiError(503, f"the engine has stopped: {e}", "service_unavailable")
+    if isinstance(e, Interrupted):  # the engine is not answering
+        return ApiError(503, str(e), "service_unavailable", {"Retry-After": "5"})
+    if isinstance(e, ValueError):
+        return ApiError(400, str(e))
+    return e
+
+
+class _OwningStream(StreamingResponse):
+    """A streamed reply that releases its request's slots however the sending ends."""
+
+    def __init__(self, content, slots: Slots, **kwargs):
+        super().__init__(content, **kwargs)
+        self.slots = slots
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.slots.release()
 
 
 def _nth_seed(seed: int, i: int) -> int:
@@ -124,21 +170,18 @@ def _abort(streams: list[RequestStream]) -> None:
 async def merge(
     streams: list[RequestStream], tick: float | None = None
 ) -> AsyncIterator[tuple[int, StepOutput] | None]:
-    """Outputs of several streams as (index, output), in arrival order; closing aborts them all.
+    """Outputs of several streams as (index, output), in arrival order (their `Slots` free them).
 
     With `tick`, None comes after every `tick` seconds without an output (for keep-alives); waiting
     is never what ends a stream: a queued or slow request keeps its place.
     """
     if len(streams) == 1:  # the common case, without a task and a queue between
-        try:
-            while True:
-                try:
-                    out = await streams[0].next(tick)
-                except StopAsyncIteration:
-                    return
-                yield None if out is None else (0, out)
-        finally:
-            _abort(streams)
+        while True:
+            try:
+                out = await streams[0].next(tick)
+            except StopAsyncIteration:
+                return
+            yield None if out is None else (0, out)
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, s: RequestStream) -> None:
@@ -168,7 +211,6 @@ async def merge(
     finally:
         for t in tasks:
             t.cancel()
-        _abort(streams)
 
 
 async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
@@ -201,21 +243,26 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
         )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    streams = submit(state, prompt_ids, params, req.n)
-    mode = detect_thinking_mode(prompt_ids, state.fmt.reasoning) if state.fmt else None
     from m3lm.tokenizer import StopStrings
 
-    stops = req.stops()
-    tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    choices = [
-        Choice(
-            i,
-            ReplyParser(state.fmt, mode, tool_dicts, plan) if state.fmt else None,
-            StopStrings(stops) if stops else None,
-        )
-        for i in range(req.n)
-    ]
-    return await _respond(state, req, request, streams, choices, len(prompt_ids), chat=True)
+    slots = Slots(state)
+    try:
+        slots.add(prompt_ids, params, req.n)
+        mode = detect_thinking_mode(prompt_ids, state.fmt.reasoning) if state.fmt else None
+        stops = req.stops()
+        tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        choices = [
+            Choice(
+                i,
+                ReplyParser(state.fmt, mode, tool_dicts, plan) if state.fmt else None,
+                StopStrings(stops) if stops else None,
+            )
+            for i in range(req.n)
+        ]
+        return await _respond(state, req, request, slots, choices, len(prompt_ids), chat=True)
+    except BaseException:
+        slots.release()
+        raise
 
 
 async def completion(state: ServerState, req: CompletionRequest, request: Request):
@@ -235,6 +282,8 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
                     raise ValueError("this model has no tokenizer; send token ids")
                 tok.check_fits(p, state.max_prompt_tokens)
                 p = await run_in_threadpool(tok.encode, p)
+            else:  # before any copy of a long list
+                check_prompt_length(len(p), state.max_model_len)
             ids.append(list(p))
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = req.sampling(
@@ -246,21 +295,23 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
         )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    streams: list[RequestStream] = []
+    slots = Slots(state)
     try:
         for p in ids:
-            streams += submit(state, p, params, req.n)
-    except ApiError:
-        _abort(streams)
+            slots.add(p, params, req.n)
+        choices = [
+            Choice(i, None, prompt_ids=ids[i // req.n], echo=echoes[i // req.n] if echoes else None)
+            for i in range(len(slots.streams))
+        ]
+        return await _respond(state, req, request, slots, choices, sum(len(p) for p in ids), chat=False)
+    except BaseException:
+        slots.release()
         raise
-    choices = [
-        Choice(i, None, prompt_ids=ids[i // req.n], echo=echoes[i // req.n] if echoes else None)
-        for i in range(len(streams))
-    ]
-    return await _respond(state, req, request, streams, choices, sum(len(p) for p in ids), chat=False)
 
 
-async def _respond(state, req, request, streams, choices, prompt_tokens, chat: bool):
+async def _respond(state, req, request, slots: Slots, choices, prompt_tokens, chat: bool):
+    """The reply: a stream that takes the slots over, or a whole reply collected here."""
+    streams = slots.streams
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     created = int(time.time())
     # token ids in the reply: asked for, or the only form of the output when there is no tokenizer
@@ -268,8 +319,13 @@ async def _respond(state, req, request, streams, choices, prompt_tokens, chat: b
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(state, rid, created, streams, choices, prompt_tokens, chat, include_usage, req.n, ids)
-        return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    await _collect_unless_gone(request, _collect(state, streams, choices), streams)
+        return _OwningStream(
+            body, slots, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+    try:
+        await _collect_unless_gone(request, _collect(state, streams, choices))
+    finally:
+        slots.release()
     totals = usage(prompt_tokens, choices, req.n)
     if chat:
         body = [
@@ -314,8 +370,8 @@ async def _respond(state, req, request, streams, choices, prompt_tokens, chat: b
     }
 
 
-async def _collect_unless_gone(request: Request, collect, streams: list[RequestStream]) -> None:
-    """Run `collect` unless the client disconnects first; then its requests are aborted."""
+async def _collect_unless_gone(request: Request, collect) -> None:
+    """Run `collect` unless the client disconnects first (the caller then releases the slots)."""
     task = asyncio.ensure_future(collect)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -325,7 +381,6 @@ async def _collect_unless_gone(request: Request, collect, streams: list[RequestS
         left = not task.done()
         if left:
             task.cancel()
-            _abort(streams)
     if left:
         raise ApiError(499, "client disconnected")
     task.result()
@@ -443,6 +498,9 @@ async def _stream(
         yield _sse(error_body(f"the engine stopped: {e}", "internal_error", code=500))
     except Interrupted as e:
         yield _sse(error_body(str(e), "service_unavailable", code=503))
+    except Exception as e:  # a fault of ours: the client still gets an error event and the end
+        log.exception("a stream failed")
+        yield _sse(error_body(f"internal error: {type(e).__name__}", "internal_error", code=500))
     finally:
         await events.aclose()
     yield b"data: [DONE]\n\n"

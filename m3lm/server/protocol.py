@@ -1,13 +1,15 @@
 """Request bodies of the OpenAI-compatible API, their limits, and the error object.
 
 Unknown fields are accepted and ignored (logged, a bounded summary per request), as vLLM does;
-wrong types, out-of-range values, unpaired surrogates in text, and fields whose meaning the server
-does not implement (rather than silently ignoring them) are a 400.
+wrong types, out-of-range values, unpaired surrogates in text, containers nested deeper than
+MAX_NESTING, and fields whose meaning the server does not implement (rather than silently
+ignoring them) are a 400.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,35 +21,59 @@ log = logging.getLogger("m3lm.server")
 _warned_fields: set[str] = set()  # unknown names already logged, at most _MAX_WARNED of them
 _MAX_WARNED = 256
 _NAMES_PER_LINE = 8
+_TOKEN_ID = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit() also takes "١٢" or "²"
 
 
-def _reject_surrogates(value: Any, where: str = "") -> None:
-    """Raise ValueError for a string (key or value) holding an unpaired UTF-16 surrogate, which
-    JSON can escape ("\\ud800") but no UTF-8 text can hold."""
-    if isinstance(value, str):
-        if not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(
-                    f"{where or 'a string'} holds an unpaired surrogate (invalid Unicode)"
-                ) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _reject_surrogates(k, where)
-            _reject_surrogates(v, f"{where}.{k}" if where else str(k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _reject_surrogates(v, f"{where}[{i}]")
+MAX_NESTING = 64  # containers within containers in a request body: no schema or template needs more
+_SCALARS = frozenset({int, float, bool, type(None)})
+BODY_SLACK = 1 << 20  # room in a request body for what is not its prompts: sampling fields, stops, ...
+
+
+def check_json(value: Any) -> None:
+    """Raise ValueError for a body nested deeper than MAX_NESTING, or holding a string (key or
+    value) with an unpaired UTF-16 surrogate, which JSON can escape ("\\ud800") but no UTF-8 text
+    can hold. Walked with a stack of its own, so no input can exhaust the interpreter's."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
+    while stack:
+        v, depth, where = stack.pop()
+        if isinstance(v, str):
+            _check_text(v, where)
+            continue
+        if isinstance(v, dict):
+            items: Any = v.items()
+        elif isinstance(v, list):
+            if _SCALARS.issuperset(map(type, v)):  # token ids: one pass in C, nothing to look into
+                continue
+            items = enumerate(v)
+        else:
+            continue
+        if depth >= MAX_NESTING:
+            raise ValueError(f"{where or 'the request'} nests containers deeper than {MAX_NESTING} levels")
+        for k, x in items:
+            if isinstance(k, str):
+                _check_text(k, where)
+            # only what can fail is pushed (a long list of token ids costs a type check each)
+            if isinstance(x, (dict, list)) or (isinstance(x, str) and not x.isascii()):
+                stack.append(
+                    (x, depth + 1, f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}".lstrip("."))
+                )
+
+
+def _check_text(text: str, where: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where or 'a string'} holds an unpaired surrogate (invalid Unicode)") from None
 
 
 class _Body(BaseModel):
-    """A request body: its text must be valid Unicode."""
+    """A request body: bounded nesting, valid Unicode."""
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        _reject_surrogates(data)
+    def _valid_json(cls, data: Any) -> Any:
+        check_json(data)
         return data
 
 
@@ -67,7 +93,21 @@ class Limits:
     header_timeout_s: float = 10.0  # for a request's headers to arrive, from the connection's start
     body_timeout_s: float = 30.0  # for its body to arrive, once the headers have
     idle_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
-    max_connections: int = 1024  # connections and requests beyond this get 503
+    write_timeout_s: float = 30.0  # a client that reads nothing of a response for this long is cut off
+    engine_timeout_s: float = 5.0  # the engine not heard from this long is stalled (heartbeats: 5x as often)
+    max_connections: int = 4096  # beyond this the longest idle connection is closed, or the new one gets 503
+
+
+def body_bound(limits: Limits, max_prompt_tokens: int, max_token_chars: int | None) -> int:
+    """The largest request body worth reading, so that a body that cannot be a request is refused
+    (413) before it is read and parsed: `max_n` prompts of `max_prompt_tokens` tokens, each token
+    written at its longest in JSON (a character escaped as a surrogate pair is 12 bytes; an id, its
+    comma and a space 24), plus `BODY_SLACK`. `max_token_chars` None: text prompts have no such
+    bound (the tokenizer may drop characters), so only `limits.max_body_bytes` applies."""
+    if max_token_chars is None:
+        return limits.max_body_bytes
+    per_token = max(24, 12 * max_token_chars)
+    return min(limits.max_body_bytes, limits.max_n * max_prompt_tokens * per_token + BODY_SLACK)
 
 
 def error_body(
@@ -147,6 +187,8 @@ class _Request(_Body):
             raise ValueError(f"{len(stops)} stop strings exceed the limit of {limits.max_stop}")
         if any(len(s) > limits.max_stop_chars for s in stops):
             raise ValueError(f"stop strings are limited to {limits.max_stop_chars} characters")
+        if not all(stops):
+            raise ValueError("stop strings must not be empty")
         if (self.prompt_logprobs or 0) > limits.max_top_logprobs:
             raise ValueError(
                 f"prompt_logprobs = {self.prompt_logprobs} exceeds the limit of {limits.max_top_logprobs}"
@@ -159,13 +201,16 @@ class _Request(_Body):
             raise ValueError("response_format is not supported yet: structured output is not enforced")
 
     def bias(self) -> tuple[tuple[int, float], ...]:
-        """logit_bias as (token id, bias) pairs; its keys are token ids written as strings."""
-        pairs = []
+        """logit_bias as (token id, bias) pairs; its keys are token ids written as decimal strings,
+        and two spellings of one id ("17", "017") are refused rather than added up."""
+        pairs: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or len(key) > 12:
+            if not _TOKEN_ID.fullmatch(key):
                 raise ValueError(f"logit_bias: {key[:32]!r} is not a token id")
-            pairs.append((int(key), value))
-        return tuple(pairs)
+            if (tid := int(key)) in pairs:
+                raise ValueError(f"logit_bias: token id {tid} is named more than once")
+            pairs[tid] = value
+        return tuple(pairs.items())
 
     def sampling(
         self,
@@ -222,7 +267,8 @@ class ChatMessage(BaseModel):
     reasoning: str | None = None
 
     def for_template(self) -> dict[str, Any]:
-        msg = self.model_dump(exclude_none=True, exclude={"content"})
+        """The fields the API defines (unknown ones are ignored, not shown to the template)."""
+        msg = self.model_dump(exclude_none=True, exclude={"content", *(self.model_extra or {})})
         if isinstance(self.content, list):
             msg["content"] = "".join(p.text for p in self.content)
         else:
@@ -313,7 +359,7 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model_config = ConfigDict(strict=True)
 
     model: str | None = None
