@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -87,6 +87,38 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """What the answer must match, compiled into a grammar that masks the logits (xgrammar).
+
+    kind and value: "json" (a JSON schema, as JSON text), "json_object" (any JSON object; value
+    unused), "regex", "choice" (a JSON list of strings: the answer is one of them), "grammar" (EBNF
+    in xgrammar's dialect), "structural_tag" (xgrammar's structural tag, as JSON text). `markers`
+    maps marker texts to special token ids: wherever the grammar writes a marker it must be that
+    one token (how M3's tool-call tokens are kept whole), and no other special token is allowed.
+    """
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+    value: str = ""
+    markers: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class ThinkingControl:
+    """Where a request's reasoning is, on the think-marker token ids, and how long it may run.
+
+    mode: "enabled" (the reply starts inside reasoning), "disabled" (no reasoning), "adaptive"
+    (the first token decides: the opener starts reasoning, the closer or anything else starts the
+    answer). A structured output applies to the answer only. `budget`: after that many reasoning
+    tokens the closer is forced.
+    """
+
+    mode: Literal["enabled", "disabled", "adaptive"]
+    start_id: int
+    end_id: int
+    budget: int | None = None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop; the defaults may come from generation_config.json.
 
@@ -94,7 +126,8 @@ class SamplingParams:
     `logprobs` asks for the chosen token's log-probability plus that many top alternatives
     (0 = the chosen token only, None = none). `seed` makes sampling reproducible per request.
     `logit_bias` adds (token id, bias) to the logits before anything else. Only requests with the
-    same `cache_salt` share prefix-cache pages.
+    same `cache_salt` share prefix-cache pages. `structured` constrains the answer to a grammar;
+    `thinking` says where the answer starts (and may bound the reasoning).
     """
 
     max_tokens: int = 256
@@ -113,6 +146,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     cache_salt: str | None = None
+    structured: StructuredOutput | None = None
+    thinking: ThinkingControl | None = None
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 1024  # entries: more would make every step's bias tensor a request's to size
@@ -154,6 +189,8 @@ class SamplingParams:
             bad("logit_bias", f"at most {self.MAX_LOGIT_BIAS} entries")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
             bad("logit_bias", "token ids must be >= 0 and biases in [-100, 100]")
+        if self.thinking is not None and self.thinking.budget is not None and self.thinking.budget < 0:
+            bad("thinking", "budget must be >= 0")
 
     @property
     def greedy(self) -> bool:
