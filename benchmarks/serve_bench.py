@@ -31,6 +31,13 @@ the whole run. Run from the repository root:
         --concurrency 1 4 16 --num-requests 32 --input-len 64 --output-len 32 \\
         --out benchmarks/results/serve_tiny.md
 
+`--response-format SPEC` measures what structured output costs: each concurrency level runs
+`--rounds` times without and then with that `response_format` (`json_object`, `json_schema` for a
+built-in nested schema, or a response_format object as JSON), and a table gives the median TPOT
+of each run and the ratios of the best rounds (on a shared machine, the runs least disturbed by
+other work) and of the rounds' medians. A constrained request may end when its grammar does (its token count is
+then below `--output-len`, and counts as it is); TPOT is per token either way.
+
 `--out` appends a dated section (command, device, versions, figures) to the file.
 """
 
@@ -119,6 +126,35 @@ class Server:
         os.close(self.log)
 
 
+SCHEMA = {  # --response-format json_schema: nested, with strings the model ends when it likes
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "count": {"type": "integer"},
+                    "done": {"type": "boolean"},
+                },
+                "required": ["name", "count", "done"],
+            },
+        },
+    },
+    "required": ["title", "items"],
+}
+
+
+def response_format(spec: str) -> dict:
+    if spec == "json_object":
+        return {"type": "json_object"}
+    if spec == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": "bench", "schema": SCHEMA}}
+    return json.loads(spec)
+
+
 async def request(client: httpx.AsyncClient, url: str, body: dict, chat: bool) -> Result:
     """One streamed request, timed from sending it to `[DONE]`."""
     r = Result()
@@ -162,7 +198,8 @@ async def request(client: httpx.AsyncClient, url: str, body: dict, chat: bool) -
         return r
     r.e2e = time.perf_counter() - start
     want = body["max_tokens"]
-    r.ok = r.output_tokens == want and r.ttft > 0
+    ended = "response_format" in body and 2 <= r.output_tokens <= want  # its grammar may end first
+    r.ok = (r.output_tokens == want or ended) and r.ttft > 0
     r.error = "" if r.ok else f"{r.output_tokens} output tokens in the usage chunk, asked for {want}"
     return r
 
@@ -341,9 +378,33 @@ def server_options(args: list[str]) -> tuple[dict, dict]:
     return load, engine
 
 
+def median_tpot(row: dict[str, str]) -> float:
+    return float(row["TPOT mean / median / p99 (ms)"].split(" / ")[1])
+
+
+def structured_cost(a: argparse.Namespace, rows: list[dict[str, str]]) -> list[str]:
+    """Median TPOT with and without the response_format, per concurrency level and round; the
+    ratio of the best rounds (the least disturbed by other work on the machine) and of the
+    rounds' medians."""
+    lines = ["", "", "| concurrency | TPOT median per round, plain (ms) | the same, structured (ms) | "
+             "structured / plain, best rounds | the same, median rounds |", "|---|---|---|---:|---:|"]  # fmt: skip
+    for c in a.concurrency:
+        runs = list(zip(a.columns, rows, strict=True))
+        plain = [median_tpot(r) for n, r in runs if n.startswith(f"{c} plain")]
+        structured = [median_tpot(r) for n, r in runs if n.startswith(f"{c} structured")]
+        if plain and structured:
+            best = min(structured) / min(plain)
+            middle = percentile(structured, 50) / percentile(plain, 50)
+            fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+            lines.append(f"| {c} | {fmt(plain)} | {fmt(structured)} | {best:.3f}x | {middle:.3f}x |")
+    return lines
+
+
 def comparisons(a: argparse.Namespace, levels: list[int], rows: list[dict[str, str]]) -> str:
     """The offline engine and the kernel decode step, each against the HTTP figures."""
-    lines = []
+    lines = structured_cost(a, rows) if a.response_format else []
+    first = {n: r for n, r in zip(a.columns, rows, strict=True)}  # each level's (first plain) run
+    rows = [first[f"{c} plain 1" if a.response_format else str(c)] for c in levels]
     if a.offline and a.model:
         load, engine = server_options(shlex.split(a.server_args))
         engine.setdefault("max_num_seqs", 64)
@@ -374,7 +435,7 @@ def comparisons(a: argparse.Namespace, levels: list[int], rows: list[dict[str, s
     return "\n".join(lines)
 
 
-def table(levels: list[int], rows: list[dict[str, str]]) -> str:
+def table(levels: list, rows: list[dict[str, str]]) -> str:
     head = "| concurrency | " + " | ".join(str(c) for c in levels) + " |"
     lines = [head, "|---|" + "---:|" * len(levels)]
     lines += [f"| {k} | " + " | ".join(r[k] for r in rows) + " |" for k in rows[0]]
@@ -389,6 +450,7 @@ async def bench(a: argparse.Namespace, url: str, deadline: float) -> list[dict[s
     a.prompts, a.outputs = prompts, outputs  # for the offline comparison
     bodies = make_bodies(sync, model, a, prompts, outputs)
     chat = a.endpoint == "chat"
+    a.columns = []
     path = url + ("/v1/chat/completions" if chat else "/v1/completions")
     limits = httpx.Limits(max_connections=max(a.concurrency), max_keepalive_connections=max(a.concurrency))
     timeout = httpx.Timeout(a.timeout, connect=10)
@@ -397,20 +459,33 @@ async def bench(a: argparse.Namespace, url: str, deadline: float) -> list[dict[s
         warm = await request(client, path, bodies[0], chat)
         if not warm.ok:
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
+        if a.response_format:
+            rf = response_format(a.response_format)
+            constrained = [{**b, "response_format": rf} for b in bodies]
+            warm = await request(client, path, constrained[0], chat)  # the grammar compiles here
+            if not warm.ok:
+                raise RuntimeError(f"the structured warm-up request failed: {warm.error}")
+        variants = (
+            [("", bodies)] if not a.response_format else [("plain", bodies), ("structured", constrained)]
+        )
         for c in a.concurrency:
-            before = scrape(sync)
-            results, duration = await run_level(client, path, bodies, chat, c, deadline)
-            await asyncio.sleep(0.2)  # let the engine thread publish the last step's metrics
-            after = scrape(sync)
-            delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
-            rows.append(summarize(results, duration, delta))
-            errors = sorted({r.error for r in results if not r.ok})
-            print(f"concurrency {c}: {json.dumps(rows[-1], indent=1)}", flush=True)
-            for e in errors[:5]:
-                print(f"  error: {e}", flush=True)
-            if time.monotonic() > deadline:
-                print("stopped: --timeout reached", flush=True)
-                break
+            for i in range(a.rounds if a.response_format else 1):
+                for label, level_bodies in variants:
+                    before = scrape(sync)
+                    results, duration = await run_level(client, path, level_bodies, chat, c, deadline)
+                    await asyncio.sleep(0.2)  # let the engine thread publish the last step's metrics
+                    after = scrape(sync)
+                    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+                    rows.append(summarize(results, duration, delta))
+                    name = f"{c} {label} {i + 1}" if label else str(c)
+                    a.columns.append(name)
+                    errors = sorted({r.error for r in results if not r.ok})
+                    print(f"concurrency {name}: {json.dumps(rows[-1], indent=1)}", flush=True)
+                    for e in errors[:5]:
+                        print(f"  error: {e}", flush=True)
+                    if time.monotonic() > deadline:
+                        print("stopped: --timeout reached", flush=True)
+                        return rows
     sync.close()
     return rows
 
@@ -444,6 +519,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--timeout", type=float, default=600, help="seconds for the whole run, server start included"
+    )
+    ap.add_argument(
+        "--response-format",
+        default="",
+        metavar="SPEC",
+        help="also run each level with this response_format: json_object, json_schema or a JSON object",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="with --response-format: runs of each variant per level"
     )
     ap.add_argument("--out", type=Path, help="append a dated Markdown section to this file")
     a = ap.parse_args()
@@ -479,8 +563,9 @@ def main() -> None:
             server.stop()
     if not rows:
         sys.exit("no concurrency level finished within --timeout")
-    result = table(a.concurrency[: len(rows)], rows)
-    result += comparisons(a, a.concurrency[: len(rows)], rows)
+    result = table(a.columns[: len(rows)], rows)
+    done = [c for c in a.concurrency if (f"{c} plain 1" if a.response_format else str(c)) in a.columns]
+    result += comparisons(a, done, rows)
     print(result)
     if a.out:
         shape = " (the user message, before the chat template)" if a.endpoint == "chat" else ""
@@ -488,7 +573,12 @@ def main() -> None:
         details = [
             f"Server: {served}; endpoint /v1/{a.endpoint.replace('chat', 'chat/completions')}, "
             f"{a.num_requests} requests of {a.input_len} prompt tokens{shape} -> {a.output_len} output tokens "
-            f"(ignore_eos, temperature {a.temperature}), streamed",
+            f"(ignore_eos, temperature {a.temperature}), streamed"
+            + (
+                f"; each level without and with response_format {a.response_format}"
+                if a.response_format
+                else ""
+            ),
             f"Device: {device()}; Python {platform.python_version()}, torch {version('torch')} "
             f"(client and server on the same machine; load average {load:.2f} at the start)",
         ]

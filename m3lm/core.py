@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -87,6 +87,38 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """What the answer must match, compiled into a grammar that masks the logits (xgrammar).
+
+    kind and value: "json" (a JSON schema, as JSON text), "json_object" (any JSON object; value
+    unused), "regex", "choice" (a JSON list of strings: the answer is one of them), "grammar" (EBNF
+    in xgrammar's dialect), "structural_tag" (xgrammar's structural tag, as JSON text). `markers`
+    maps marker texts to special token ids: wherever the grammar writes a marker it must be that
+    one token (how M3's tool-call tokens are kept whole), and no other special token is allowed.
+    """
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+    value: str = ""
+    markers: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class ThinkingControl:
+    """Where a request's reasoning is, on the think-marker token ids, and how long it may run.
+
+    mode: "enabled" (the reply starts inside reasoning), "disabled" (no reasoning), "adaptive"
+    (the first token decides: the opener starts reasoning, the closer or anything else starts the
+    answer). A structured output applies to the answer only. `budget`: after that many reasoning
+    tokens the closer is forced.
+    """
+
+    mode: Literal["enabled", "disabled", "adaptive"]
+    start_id: int
+    end_id: int
+    budget: int | None = None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop; the defaults may come from generation_config.json.
 
@@ -98,6 +130,8 @@ class SamplingParams:
     log-probability under the model (raw log-softmax, no sampling settings) plus that many top
     alternatives; such a request computes its whole prompt (no cached prefix), and with it
     `max_tokens` may be 0 (score the prompt, generate nothing).
+    `structured` constrains the answer to a grammar; `thinking` says where the answer starts (and
+    may bound the reasoning).
     """
 
     max_tokens: int = 256
@@ -117,6 +151,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
+    thinking: ThinkingControl | None = None
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 1024  # entries: more would make every step's bias tensor a request's to size
@@ -169,6 +205,8 @@ class SamplingParams:
             bad("logit_bias", "token ids must be in [0, 2^63) and biases in [-100, 100]")
         if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
             bad("logit_bias", "names a token id more than once")  # the biases would add up past the cap
+        if self.thinking is not None and self.thinking.budget is not None and self.thinking.budget < 0:
+            bad("thinking", "budget must be >= 0")
 
     @property
     def greedy(self) -> bool:

@@ -5,6 +5,7 @@ Pure Python over `BlockManager`, so every policy is testable on the CPU:
   the next chunk; then waiting sequences are admitted in arrival order while the step's token
   budget (`max_num_batched_tokens`) and `max_num_seqs` allow, so long prompts are prefilled in
   chunks and never stall running decodes;
+- a sequence whose grammar is still compiling (structured output) stays queued;
 - when pages run out, the newest running sequence is preempted: its pages are freed and it
   goes back to the front of the queue to be recomputed later, instead of failing;
 - a sequence admitted from the queue starts on the cached pages of its longest prefix
@@ -59,6 +60,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if seq.constraint is not None and not seq.constraint.ready:
+                continue  # its grammar is compiling
             # new or preempted (a waiting sequence holds no pages): start on its cached prefix
             reuse = not seq.scores_prompt
             seq.num_cached = self.blocks.match(seq.seq_id, seq.token_ids, seq.params.cache_salt, reuse)

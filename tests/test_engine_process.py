@@ -20,7 +20,7 @@ import pytest
 from checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint, write_m3_tokenizer
 from conftest import PATIENCE_S
 
-from m3lm.core import SamplingParams
+from m3lm.core import SamplingParams, StructuredOutput, ThinkingControl
 from m3lm.engine import messages as m
 
 
@@ -97,6 +97,11 @@ def test_messages_round_trip():
     params = SamplingParams(max_tokens=5, stop=("x",), logit_bias=((3, 1.5),), seed=2**63 - 1, cache_salt="t")
     add = m.decode_to_engine(m.encode(m.Add("r1", [1, 2, 3], params)))
     assert add == m.Add("r1", [1, 2, 3], params) and add.params == params
+    rules = SamplingParams(
+        structured=StructuredOutput("structural_tag", '{"a": 1}', (("]<]x[>[", 7),)),
+        thinking=ThinkingControl("adaptive", 5, 6, budget=3),
+    )
+    assert m.decode_to_engine(m.encode(m.Add("r2", [1], rules))).params == rules
     outs = m.Outputs(
         [m.Output("r1", [7], [(7, -0.5, [(7, -0.5), (9, -1.0)])], "length")], m.Stats(1, 0, 3, 10)
     )

@@ -257,6 +257,14 @@ INT, N, B = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
         ({"type": "array"}, "[" * 100 + "]" * 100, "[" * 100 + "]" * 100),
         ({"type": "array"}, "[1,]", "[1,]"),
         ({"type": "object"}, '{"s": "\\ud83d\\ude00 \\ud800"}', {"s": "😀 \ufffd"}),
+        ({"enum": [1, "two", None]}, "1", 1),
+        ({"enum": [1, "two", None]}, "null", None),
+        ({"enum": [1, "two", None]}, "two", "two"),
+        ({"enum": ["1", 1]}, "1", "1"),  # the first member written so
+        ({"anyOf": [{"const": True}, {"type": "string"}]}, "true", True),
+        ({"enum": [" a "]}, " a ", " a "),
+        ({"enum": [2.5]}, " 2.5 ", 2.5),
+        ({"enum": ["x"]}, "y", "y"),
     ],
 )
 def test_typed_leaves(schema, text, expected):

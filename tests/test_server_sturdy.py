@@ -339,13 +339,14 @@ def test_logit_bias_and_refused_fields(client, live):
         {"logit_bias": {"1": 101}},
         {"best_of": 2},
         {"suffix": "the end"},
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "xml"}},
+        {"structured_outputs": {"structural_tag": "x"}},
     ):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=NAME, prompt="hi", max_tokens=1, extra_body=extra)
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(
-            model=NAME, messages=MSG, max_tokens=1, response_format={"type": "json_object"}
+            model=NAME, messages=MSG, max_tokens=1, response_format={"type": "json_schema"}
         )
 
 

@@ -7,9 +7,11 @@ in the runner and the sampler; the scheduler and block manager are pure Python.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from m3lm.cache.pool import PoolPlan, graph_reserve, plan_pool
 from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams
 from m3lm.distributed import steps
+from m3lm.engine.constraints import Constraint, Grammars, mask_logits
 from m3lm.engine.memory import peak_activation_bytes, profile_batches
 from m3lm.engine.runner import ModelRunner
 from m3lm.engine.sequence import Sequence, TokenLogprob
@@ -103,9 +106,11 @@ class LLMEngine:
         config: EngineConfig | None = None,
         generation_config: dict | None = None,
         eos_ids=(),
+        grammar_tokenizer: Callable[[], object] | None = None,
     ):
         """`eos_ids`: stop tokens beyond the tokenizer's and generation_config's (a server's
-        engine has no tokenizer of its own)."""
+        engine has no tokenizer of its own); `grammar_tokenizer` loads the tokenizer structured
+        output compiles its grammars against, when the engine has none (called when first needed)."""
         self.model, self.tokenizer = model, tokenizer
         self.detokenize = tokenizer is not None  # off when the caller turns ids into text
         self.config = config = config or EngineConfig()
@@ -141,6 +146,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, config.msa_dense_window, graphs, max_pages)
         self.sampler = Sampler()
         self.eos_ids = eos_ids_of(tokenizer, self.generation_config, eos_ids)
+        source = (lambda: tokenizer) if tokenizer is not None else grammar_tokenizer
+        self.grammars = Grammars(source, args.vocab_size, self.eos_ids) if source is not None else None
+        self._compiling: list[Sequence] = []  # requests whose grammar is compiling
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         log.info("%s", self.info.summary())
@@ -248,9 +256,32 @@ class LLMEngine:
             from m3lm.tokenizer import OutputText
 
             seq.text_state = OutputText(self.tokenizer, params)
+        if params.structured is not None or params.thinking is not None:
+            seq.constraint = self._constraint(params)
+            if not seq.constraint.ready:
+                self._compiling.append(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _constraint(self, params: SamplingParams) -> Constraint:
+        if params.structured is not None and self.grammars is None:
+            raise ValueError("structured output needs the checkpoint's tokenizer")
+        grammar = self.grammars.submit(params.structured) if params.structured is not None else None
+        return Constraint(grammar, params.thinking)
+
+    def _start_grammars(self) -> list[StepOutput]:
+        """Give each request whose grammar has compiled its matcher; fail those that could not compile."""
+        results, waiting = [], []
+        for seq in self._compiling:
+            if seq.finished:
+                continue
+            if seq.constraint.compiling:
+                waiting.append(seq)
+            elif (error := seq.constraint.start()) is not None:
+                results.append(self.fail(seq, error))
+        self._compiling = waiting
+        return results
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its pages (no-op when it is unknown or already done)."""
@@ -262,9 +293,13 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
+        started = self._start_grammars() if self._compiling else []
         plan = self.scheduler.schedule()
         if not plan:
-            return []
+            if self._compiling:  # nothing else to do: wait a little for a compile, never spin
+                futures = [s.constraint._grammar for s in self._compiling]
+                concurrent.futures.wait(futures, 0.01, concurrent.futures.FIRST_COMPLETED)
+            return started
         tables = [self.blocks.table(seq.seq_id) for seq, _ in plan]
         ready, logits, scored = self.runner.run(plan, tables)
         for seq, _ in plan:  # name the pages this step filled, for later prompts with the same prefix
@@ -272,12 +307,17 @@ class LLMEngine:
         if scored:
             _score_prompts(logits[len(ready) :], scored)
             logits = logits[: len(ready)]
-        results = [self._scored_only(s) for s in ready if s.max_tokens == 0]
-        if results:  # prompts scored with nothing to generate: they end without a sample
+        scored_only = [self._scored_only(s) for s in ready if s.max_tokens == 0]
+        if scored_only:  # prompts scored with nothing to generate: they end without a sample
             keep = [i for i, s in enumerate(ready) if s.max_tokens > 0]
             ready, logits = [ready[i] for i in keep], logits[keep]
+        results = started + scored_only
         if not ready:
             return results
+        finite = torch.isfinite(logits).all(dim=-1)  # of the model's logits, before any mask
+        constraints = [s.constraint for s in ready]
+        if any(c is not None for c in constraints):
+            mask_logits(constraints, logits)
         out = self.sampler(
             logits,
             [s.params for s in ready],
@@ -286,7 +326,6 @@ class LLMEngine:
             [s.generator for s in ready],
         )
         # The one host transfer of the step: sampled ids, and which rows had non-finite logits.
-        finite = torch.isfinite(logits).all(dim=-1)
         token_ids, ok = torch.stack([out.token_ids, finite.to(out.token_ids.dtype)]).tolist()
         lps = _logprobs(out, ready, token_ids)
         now = time.perf_counter()
@@ -324,6 +363,8 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> StepOutput:
         p = seq.params
         first = not seq.output_ids
+        if seq.constraint is not None and not seq.constraint.accept(token):
+            raise ValueError(f"structured output: the grammar refused token {token}")
         seq.output_ids.append(token)
         res = StepOutput(seq.request_id, [token], seq=seq, num_prefix_cached=seq.num_prefix_cached)
         if first and p.prompt_logprobs is not None:
@@ -332,6 +373,8 @@ class LLMEngine:
             seq.logprobs.append(lp)
             res.new_logprobs.append(lp)
         stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids)
+        if seq.constraint is not None and seq.constraint.terminated:
+            stop_token = True  # the grammar is complete (its stop token, or nothing can follow)
         reason = "stop" if stop_token else "length" if len(seq.output_ids) >= seq.max_tokens else None
         if seq.text_state is not None:
             text, hit = seq.text_state.add(token, stop_token, reason is not None)
@@ -373,6 +416,9 @@ def validate_request(
     bad = next((t for t in params.stop_token_ids if t >= vocab), None)
     if bad is not None:
         raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+    t = params.thinking if params else None
+    if t is not None and not (0 <= t.start_id < vocab and 0 <= t.end_id < vocab):
+        raise ValueError(f"thinking: marker ids must be inside the vocabulary [0, {vocab})")
 
 
 def _free_bytes(device: torch.device) -> int | None:

@@ -226,8 +226,16 @@ def build_engine(spec: EngineSpec):
             skip_tokenizer_init=True,
         )
     use_threads(model, spec.threads)
+
+    def tokenizer():  # for structured output's grammars, loaded when the first one compiles
+        from m3lm.tokenizer import load_tokenizer
+
+        return load_tokenizer(spec.model_dir)
+
     try:
-        engine = LLMEngine(model, None, EngineConfig(**spec.engine_kwargs), eos_ids=spec.eos_ids)
+        engine = LLMEngine(
+            model, None, EngineConfig(**spec.engine_kwargs), eos_ids=spec.eos_ids, grammar_tokenizer=tokenizer
+        )
     except BaseException:
         if group is not None:
             group.shutdown(timeout=5.0)

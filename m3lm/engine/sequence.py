@@ -48,6 +48,7 @@ class Sequence:
     last_token_time: float | None = None
     num_preemptions: int = 0
     text_state: object = None  # OutputText, when the engine detokenizes
+    constraint: object = None  # constraints.Constraint, for structured output or a thinking budget
 
     @property
     def num_tokens(self) -> int:

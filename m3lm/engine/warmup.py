@@ -14,7 +14,9 @@ step can need are named by a few keys, and one step of each key compiles them al
   one two-token step at the end of a sequence of each bucket up to `max_model_len`, its earlier
   positions taken as cached (their keys are whatever the pool holds: only shapes matter here);
 - a chunk after a cached prefix (the Triton prefill kernel without a selection);
-- every CUDA-graph batch bucket (`DecodeGraphs.capture_all`).
+- every CUDA-graph batch bucket (`DecodeGraphs.capture_all`);
+- structured output's mask (xgrammar's Triton kernel): one row, two rows and sixteen, the classes
+  Triton specialises its row count on.
 
 The sequences are throwaway: their pages come from the block manager and go back unnamed, so
 nothing of the warm-up counts as a cached prefix. Triton's on-disk cache (~/.triton/cache) keeps
@@ -137,6 +139,16 @@ def _run_shape(engine, shape: StepShape, next_id: int) -> bool:
             blocks.free(s.seq_id, keep=False)  # unnamed: back to the free pages, never a cached prefix
 
 
+def _warm_mask(engine) -> None:
+    import xgrammar as xgr
+
+    vocab = engine.model.args.vocab_size
+    logits = torch.zeros(16, vocab, device=engine.device)  # the step's logits are fp32
+    bitmask = xgr.allocate_token_bitmask(16, vocab).to(engine.device)
+    for rows in (1, 2, 16):
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=list(range(rows)))
+
+
 def warm_up(engine, progress: bool = True) -> WarmupReport:
     """Run `engine`'s runner over every step shape of `warmup_plan` and capture every decode graph,
     before any request (the warm-up takes pages from the block manager and gives them back). A
@@ -170,6 +182,8 @@ def warm_up(engine, progress: bool = True) -> WarmupReport:
                 log.warning("warm-up: no room in the KV pool for %s", shape)
             next_id -= shape.batch
             bar.update()
+    if engine.grammars is not None:
+        _warm_mask(engine)
     torch.cuda.synchronize(engine.device)
     report.seconds = time.perf_counter() - start
     report.variants = compiled_variants() - before

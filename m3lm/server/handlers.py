@@ -12,7 +12,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -41,6 +41,7 @@ from m3lm.server.metrics import Metrics
 from m3lm.server.parsers import plan_tool_choice, template_messages
 from m3lm.server.protocol import ChatCompletionRequest, CompletionRequest, Limits, error_body
 from m3lm.server.reasoning import ReplyFormat, ReplyParser, detect_thinking_mode
+from m3lm.server.structured import chat_rules, completion_rules
 
 _json = msgspec.json.Encoder().encode
 log = logging.getLogger("m3lm.server")
@@ -157,8 +158,6 @@ def _nth_seed(seed: int, i: int) -> int:
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(params, seed=seed)
 
 
@@ -217,20 +216,13 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
     tok = state.tokenizer
     if tok is None or not tok.has_chat_template:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
+    tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
     try:
         req.check_limits(state.limits)
         req.cache_salt = tenant_salt(state, request, req.cache_salt)
-        plan = plan_tool_choice(
-            [t.model_dump(exclude_none=True) for t in req.tools or []],
-            req.tool_choice,
-            req.parallel_tool_calls,
-        )
+        plan = plan_tool_choice(tool_dicts, req.tool_choice, req.parallel_tool_calls)
         messages = template_messages([m.for_template() for m in req.messages])
-        tools = (
-            [t.model_dump(exclude_none=True) for t in req.tools]
-            if req.tools and req.tool_choice != "none"
-            else None
-        )
+        tools = tool_dicts if req.tools and req.tool_choice != "none" else None
         prompt_ids = await run_in_threadpool(
             tok.chat_prompt, messages, tools, True, req.chat_template_kwargs, state.max_prompt_tokens
         )
@@ -241,6 +233,9 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
         params = req.sampling(
             state.defaults, max_tokens, req.requested_logprobs(), [], prompt_logprobs=req.prompt_logprobs
         )
+        mode = detect_thinking_mode(prompt_ids, state.fmt.reasoning) if state.fmt else None
+        rules, thinking = await run_in_threadpool(chat_rules, req, tool_dicts, plan, state.fmt, mode)
+        params = replace(params, structured=rules, thinking=thinking)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     from m3lm.tokenizer import StopStrings
@@ -248,9 +243,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
     slots = Slots(state)
     try:
         slots.add(prompt_ids, params, req.n)
-        mode = detect_thinking_mode(prompt_ids, state.fmt.reasoning) if state.fmt else None
         stops = req.stops()
-        tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
         choices = [
             Choice(
                 i,
@@ -293,6 +286,10 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
         echoes = (
             [p if isinstance(p, str) else tok.decode(p) if tok else "" for p in prompts] if req.echo else None
         )
+        if req.response_format is not None or req.structured_outputs is not None:
+            if tok is None:
+                raise ValueError("structured output needs the model's tokenizer")
+            params = replace(params, structured=await run_in_threadpool(completion_rules, req))
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     slots = Slots(state)

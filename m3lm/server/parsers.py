@@ -17,6 +17,7 @@ The parsers themselves: `reasoning.ReplyParser` / `reasoning.parse_reply` for a 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import secrets
@@ -110,13 +111,36 @@ def _integer(s: str) -> int | None:
     return v
 
 
+def _enumerated(schema: Any) -> list[Any]:
+    values: list[Any] = []
+    for alt in _alternatives(schema):
+        if isinstance(alt.get("enum"), list):
+            values += alt["enum"]
+        if "const" in alt:
+            values.append(alt["const"])
+    return values
+
+
+def _rendered(value: Any) -> str | None:
+    """A value as the chat template writes a leaf: strings verbatim, scalars as JSON."""
+    if isinstance(value, str):
+        return value
+    if value is None or isinstance(value, (bool, int, float)):
+        return json.dumps(value)
+    return None
+
+
 def type_value(text: str, schema: Any) -> Any:
     """Leaf text -> JSON value as the schema says; anything that does not fit stays a string.
 
-    Strings are verbatim; numbers only when they parse and are finite (`1e999`, `nan` stay
-    strings); null only when the schema allows it and the text is `null`; object/array leaves
-    are empty containers or bounded JSON text. Nothing is ever evaluated.
+    A member of the schema's `enum` (or its `const`) written as the template writes it is that
+    member; strings are verbatim; numbers only when they parse and are finite (`1e999`, `nan`
+    stay strings); null only when the schema allows it and the text is `null`; object/array
+    leaves are empty containers or bounded JSON text. Nothing is ever evaluated.
     """
+    for value in _enumerated(schema):  # enum / const members, written as the template writes them
+        if (text if isinstance(value, str) else text.strip()) == _rendered(value):
+            return value
     types = schema_types(schema)
     if not types:
         return text

@@ -163,6 +163,7 @@ class _Request(_Body):
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     response_format: dict[str, Any] | None = None
     prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's: each prompt token's logprob + top k
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension: json, regex, choice, grammar
 
     def warn_unknown(self) -> None:
         """One log line for the unknown fields not logged before (remembering a bounded number)."""
@@ -197,8 +198,6 @@ class _Request(_Body):
             raise ValueError("prompt_logprobs is not available with stream = true")
         if len(self.stop_token_ids or []) > 256:
             raise ValueError("at most 256 stop_token_ids")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise ValueError("response_format is not supported yet: structured output is not enforced")
 
     def bias(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias) pairs; its keys are token ids written as decimal strings,
@@ -282,6 +281,7 @@ class FunctionDef(BaseModel):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # true: calls always follow `parameters` (constrained decoding)
 
 
 class Tool(BaseModel):
@@ -300,6 +300,8 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's field: reasoning tokens after which the closer is forced
+    thinking_token_budget: int | None = Field(None, ge=0)
 
     def check_limits(self, limits: Limits) -> None:
         super().check_limits(limits)

@@ -1,0 +1,237 @@
+"""Structured output in the engine: grammars compiled off the step, one matcher per request, the mask.
+
+`Grammars` compiles each request's `StructuredOutput` (through `m3lm.grammar`) against the
+tokenizer on a small thread pool (xgrammar lets go of the GIL while it compiles) and keeps the
+results in an LRU bounded by their bytes, keyed by the spec, so a schema is compiled once for all
+the requests and choices that use it. A request whose grammar is compiling waits in the scheduler;
+the step never waits for a compile.
+
+`Constraint` is one request's state: where its reasoning is (`ThinkingControl`, decided on token
+ids) and its grammar matcher, which lives with the request: a preempted request keeps it, since
+its recompute samples nothing it has not already accepted. Each step `mask_logits` fills one
+bitmask row per request that needs one (the grammar's next tokens; while reasoning under a
+grammar, anything but a stop token; with the thinking budget spent, only the closer) and applies
+them to the logits on their device; other rows are untouched. After sampling `Constraint.accept`
+advances the state; a request ends when its matcher terminates.
+
+The vocabulary is the tokenizer's, padded to the model's (ids past the tokenizer are never
+allowed). Special tokens have no text in it, except the stop tokens and the markers a grammar
+binds (M3's tool-call tokens): a grammar cannot emit a think marker or a turn marker as text.
+Logprobs are those of the masked logits (after the mask, before penalties and temperature), as
+vLLM reports them.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from m3lm.core import StructuredOutput, ThinkingControl
+
+log = logging.getLogger("m3lm.engine")
+
+
+class Grammars:
+    """Compiles `StructuredOutput`s against one vocabulary, off the caller's thread, with a cache.
+
+    `tokenizer` gives the m3lm `Tokenizer` (called once, on a compile thread, when first needed).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Callable[[], Any],
+        vocab_size: int,
+        stop_ids: Iterable[int],
+        max_bytes: int = 512 << 20,
+        max_entries: int = 1024,
+        workers: int = 2,
+    ) -> None:
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.stop_ids = sorted(i for i in set(stop_ids) if 0 <= i < vocab_size)
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="m3lm-grammar")
+        self._lock = threading.Lock()  # the cache
+        self._build_lock = threading.Lock()  # the vocabulary and compilers, built on a compile thread
+        self._cache: collections.OrderedDict[StructuredOutput, Future] = collections.OrderedDict()
+        self._vocab: tuple[list[bytes], frozenset[int], bool] | None = None
+        self._compilers: dict[frozenset[int], Any] = {}
+        self.compiles = 0  # grammars compiled (cache misses), for tests and logs
+
+    def submit(self, spec: StructuredOutput) -> Future:
+        """The compiled grammar of `spec`, as a future (already done when cached)."""
+        with self._lock:
+            future = self._cache.get(spec)
+            if future is not None:
+                self._cache.move_to_end(spec)
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self._cache[spec] = future
+            self._evict()
+            return future
+
+    def _evict(self) -> None:
+        """Drop the least recently used entries past the bounds (their requests keep theirs)."""
+        done = [f for f in self._cache.values() if f.done() and f.exception() is None]
+        size = sum(f.result().memory_size_bytes for f in done)
+        while len(self._cache) > 1 and (size > self.max_bytes or len(self._cache) > self.max_entries):
+            _, old = self._cache.popitem(last=False)
+            if old.done() and old.exception() is None:
+                size -= old.result().memory_size_bytes
+
+    def _compile(self, spec: StructuredOutput):
+        from m3lm.grammar import grammar
+
+        markers = frozenset(tid for _, tid in spec.markers)
+        compiled = self._compiler(markers).compile_grammar(grammar(spec))
+        with self._lock:
+            self.compiles += 1
+            self._evict()
+        return compiled
+
+    def _compiler(self, markers: frozenset[int]):
+        """A compiler whose vocabulary gives text to the stop tokens, `markers` and no other special token."""
+        import xgrammar as xgr
+
+        with self._build_lock:
+            if markers in self._compilers:
+                return self._compilers[markers]
+            if self._vocab is None:
+                tok = self._tokenizer()
+                if tok is None:
+                    raise ValueError("structured output needs the checkpoint's tokenizer")
+                if not self.stop_ids:
+                    raise ValueError("structured output needs a stop token (the checkpoint names none)")
+                base = xgr.TokenizerInfo.from_huggingface(
+                    tok.hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+                )
+                self._vocab = (base.decoded_vocab, frozenset(tok.all_special_ids), base.add_prefix_space)
+            decoded, specials, prefix_space = self._vocab
+            keep = markers | set(self.stop_ids)
+            vocab = [b"" if i in specials and i not in keep else b for i, b in enumerate(decoded)]
+            info = xgr.TokenizerInfo(
+                vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids,
+                add_prefix_space=prefix_space,
+            )  # fmt: skip
+            threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+            compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+            self._compilers[markers] = compiler
+            return compiler
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _State(enum.Enum):
+    START = "start"  # adaptive: the first token decides between reasoning and the answer
+    REASONING = "reasoning"
+    ANSWER = "answer"
+
+
+class Constraint:
+    """One request's output rules: its reasoning state and its grammar matcher (see the module)."""
+
+    def __init__(self, grammar: Future | None, thinking: ThinkingControl | None) -> None:
+        self._grammar = grammar
+        self.matcher = None
+        self.thinking = thinking
+        mode = thinking.mode if thinking is not None else "disabled"
+        self.state = {"enabled": _State.REASONING, "adaptive": _State.START}.get(mode, _State.ANSWER)
+        self.reasoned = 0  # reasoning tokens so far
+
+    @property
+    def compiling(self) -> bool:
+        return self._grammar is not None and self.matcher is None and not self._grammar.done()
+
+    @property
+    def ready(self) -> bool:
+        """Whether the request may run: no grammar, or its matcher is built."""
+        return self._grammar is None or self.matcher is not None
+
+    def start(self) -> str | None:
+        """Build the matcher once the grammar is compiled; the error text if it could not be."""
+        import xgrammar as xgr
+
+        try:
+            self.matcher = xgr.GrammarMatcher(self._grammar.result())
+        except Exception as e:
+            from m3lm.grammar import library_message
+
+            return f"structured output: {library_message(e)}"
+        return None
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
+
+    def _budget_spent(self) -> bool:
+        budget = self.thinking.budget if self.thinking is not None else None
+        return budget is not None and self.reasoned >= budget
+
+    def masks(self) -> bool:
+        """Whether the next token is constrained at all."""
+        if self.state is _State.REASONING:
+            return self.matcher is not None or self._budget_spent()
+        return self.matcher is not None
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i of word i // 32)."""
+        t = self.thinking
+        if self.state is _State.REASONING:
+            if self._budget_spent():
+                bitmask[row] = 0
+                _set(bitmask, row, t.end_id, True)
+            else:
+                bitmask[row] = -1
+                for i in self.matcher.stop_token_ids:  # under a grammar the answer must come
+                    _set(bitmask, row, i, False)
+            return
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.state is _State.START:
+            _set(bitmask, row, t.start_id, True)
+            _set(bitmask, row, t.end_id, True)
+
+    def accept(self, token: int) -> bool:
+        """Advance by the sampled token; False if the grammar refuses it."""
+        t = self.thinking
+        if self.state is _State.REASONING:
+            if token == t.end_id:
+                self.state = _State.ANSWER
+            else:
+                self.reasoned += 1
+            return True
+        if self.state is _State.START:
+            if token == t.start_id:
+                self.state = _State.REASONING
+                return True
+            self.state = _State.ANSWER
+            if token == t.end_id:
+                return True
+        return self.matcher is None or self.matcher.accept_token(token)
+
+
+def _set(bitmask: torch.Tensor, row: int, token: int, allowed: bool) -> None:
+    word, bit = divmod(token, 32)
+    value = int(bitmask[row, word]) & 0xFFFFFFFF
+    value = value | (1 << bit) if allowed else value & ~(1 << bit)
+    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+def mask_logits(constraints: Sequence[Constraint | None], logits: torch.Tensor) -> None:
+    """Set to -inf, in place, each constrained row's logits [B, V] that its rules forbid."""
+    rows = [i for i, c in enumerate(constraints) if c is not None and c.masks()]
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(constraints), logits.shape[-1])  # [B, ceil(V / 32)] int32
+    for i in rows:
+        constraints[i].fill(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)

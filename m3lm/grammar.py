@@ -1,0 +1,280 @@
+"""Structured output as grammars: a `StructuredOutput` -> an xgrammar `Grammar`, and M3's tool calls.
+
+The one home of that translation: the server calls `check` before it admits a request (what the
+library refuses is a ValueError naming the problem, a 400), the engine calls `grammar` before it
+compiles the same thing against the tokenizer. No tensors, no HTTP; xgrammar is imported on use.
+
+Choices:
+- JSON is written on one line with ", " and ": " between items (xgrammar's `any_whitespace=False`,
+  as `json.dumps` writes it), so a model cannot pad an answer with whitespace without end; a schema
+  is enforced strictly (nothing beyond what it names), whether or not the request said `strict`,
+  as vLLM does. `json_object` is any JSON object.
+- M3's tool calls keep the model's own format: the namespaced XML of `server/tools.py`, built from
+  xgrammar's `minimax_m3_xml` argument grammar inside a block laid out as the chat template lays
+  it out (`m3_tool_calls`). The block is the end of the reply: nothing follows it.
+- Markers: a grammar written with strings would let the model spell the namespace marker
+  `]<]minimax[>[` out of ordinary tokens, which the parser (on token ids) reads as plain text.
+  `bind_markers` rewrites every literal occurrence of a marker into its single token.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from m3lm.core import StructuredOutput
+
+MAX_SPEC_CHARS = 256 << 10  # a schema, regex or grammar longer than this is refused
+MAX_CHOICES = 1024
+
+
+def grammar(spec: StructuredOutput):
+    """The xgrammar `Grammar` of `spec`, its markers bound to their tokens; ValueError if the
+    library cannot build it (the message says why)."""
+    import xgrammar as xgr
+
+    if len(spec.value) > MAX_SPEC_CHARS:
+        raise ValueError(f"the {spec.kind} is longer than {MAX_SPEC_CHARS} characters")
+    try:
+        if spec.kind == "json":
+            g = json_grammar(spec.value)
+        elif spec.kind == "json_object":
+            g = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        elif spec.kind == "regex":
+            g = xgr.Grammar.from_regex(spec.value)
+        elif spec.kind == "choice":
+            g = xgr.Grammar.from_ebnf(_choice_ebnf(spec.value))
+        elif spec.kind == "grammar":
+            g = xgr.Grammar.from_ebnf(spec.value)
+        elif spec.kind == "structural_tag":
+            g = xgr.Grammar.from_structural_tag(spec.value)
+        else:
+            raise ValueError(f"unknown structured output kind {spec.kind!r}")
+        if spec.markers:
+            g = xgr.Grammar.from_ebnf(bind_markers(str(g), dict(spec.markers)))
+    except (RuntimeError, ValueError, TypeError) as e:  # the library's own errors are of these kinds
+        raise ValueError(f"the {_what(spec.kind)} cannot be used: {library_message(e)}") from None
+    return g
+
+
+@functools.lru_cache(maxsize=256)
+def check(spec: StructuredOutput) -> None:
+    """Raise ValueError when `spec` cannot become a grammar (cached: the same schema is checked once)."""
+    grammar(spec)
+
+
+def _what(kind: str) -> str:
+    return {"json": "JSON schema", "structural_tag": "tool-call format"}.get(kind, kind)
+
+
+def json_grammar(schema: str):
+    """A JSON schema (as text) -> its grammar, in this module's JSON style."""
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+
+
+def _choice_ebnf(value: str) -> str:
+    choices = json.loads(value)
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise ValueError("choice must be a non-empty list of strings")
+    if len(choices) > MAX_CHOICES:
+        raise ValueError(f"at most {MAX_CHOICES} choices")
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def library_message(e: BaseException) -> str:
+    """xgrammar's error text without its C++ prefix (time, source file, failed check)."""
+    text = str(e).strip()
+    text = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
+    if text.startswith("Check failed:") and " is false: " in text:
+        text = text.split(" is false: ", 1)[1]
+    return " ".join(text.split()) or type(e).__name__
+
+
+# -- markers ------------------------------------------------------------------------------------
+
+_LITERAL = re.compile(r'"((?:[^"\\]|\\.)*)"')
+_ESCAPE_UNIT = re.compile(r"\\x[0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}|\\U[0-9a-fA-F]{8}|\\.|[^\\]", re.S)
+_STRING_LEVEL = ("TagDispatch(", "TokenTagDispatch(")  # their arguments stay text (triggers, excludes)
+
+
+def bind_markers(ebnf: str, markers: Mapping[str, int]) -> str:
+    """Rewrite xgrammar EBNF so that each marker text inside a string literal is its token:
+    `"a]<]minimax[>[b"` -> `("a" Token(4089) "b")`. Literals inside a tag dispatch's arguments
+    (string-level triggers and excluded texts) stay as they are."""
+    for marker in markers:
+        if not marker or any(c in marker for c in '"\\') or not (marker.isascii() and marker.isprintable()):
+            raise ValueError(f"marker {marker!r} cannot be bound in a grammar")
+    out: list[str] = []
+    i, n, skip_depth = 0, len(ebnf), 0
+    while i < n:
+        c = ebnf[i]
+        if c == '"':
+            m = _LITERAL.match(ebnf, i)
+            if m is None:
+                raise ValueError("unterminated string in the grammar")
+            out.append(m.group(0) if skip_depth else _bind_literal(m.group(1), markers))
+            i = m.end()
+        elif c == "[":
+            j = i + 1
+            while j < n and ebnf[j] != "]":
+                j += 2 if ebnf[j] == "\\" else 1
+            out.append(ebnf[i : j + 1])
+            i = j + 1
+        else:
+            start = next((s for s in _STRING_LEVEL if ebnf.startswith(s, i)), None)
+            if start is not None and not skip_depth:
+                out.append(start)
+                i += len(start)
+                skip_depth = 1
+                continue
+            if skip_depth and c == "(":
+                skip_depth += 1
+            elif skip_depth and c == ")":
+                skip_depth -= 1
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _bind_literal(body: str, markers: Mapping[str, int]) -> str:
+    """One literal's escaped body -> EBNF: marker texts become Token(id), the rest stays quoted."""
+    units = _ESCAPE_UNIT.findall(body)
+    parts: list[str] = []
+    text, k = [], 0
+    while k < len(units):
+        hit = next((mk for mk in markers if "".join(units[k : k + len(mk)]) == mk), None)
+        if hit is None:
+            text.append(units[k])
+            k += 1
+            continue
+        if text:
+            parts.append('"' + "".join(text) + '"')
+            text = []
+        parts.append(f"Token({markers[hit]})")
+        k += len(hit)
+    if not parts:
+        return '"' + body + '"'
+    if text:
+        parts.append('"' + "".join(text) + '"')
+    return "(" + " ".join(parts) + ")"
+
+
+# -- M3 tool calls ------------------------------------------------------------------------------
+
+NAMESPACE = "]<]minimax[>["
+_BAD_NAME = re.compile(r"""[\s"'<>/=\ue000-\ue002]""")
+
+
+@dataclass(frozen=True)
+class M3Tokens:
+    """Token ids of M3's tool-call markers: the namespace marker and the block's opener and closer."""
+
+    ns: int
+    open: int
+    close: int
+
+
+def m3_tool_calls(
+    tools: Sequence[Mapping[str, Any]],
+    choice: str,
+    parallel: bool,
+    ids: M3Tokens,
+    answer: str | None = None,
+) -> StructuredOutput:
+    """The grammar of an M3 reply under a tool choice, as a structural tag.
+
+    choice: "required" (a block of calls, one if not `parallel`, and nothing else), "auto" (text
+    then optionally a block; with `answer`, a grammar in EBNF, that answer or a block), or a
+    tool's name (one call to it). Every call's arguments follow its tool's parameters schema. Raises ValueError
+    for a tool whose name or schema the format cannot carry.
+    """
+    from xgrammar.structural_tag import (
+        ConstStringFormat,
+        GrammarFormat,
+        JSONSchemaFormat,
+        OrFormat,
+        PlusFormat,
+        SequenceFormat,
+        StructuralTag,
+        TagFormat,
+        TokenFormat,
+        TokenTriggeredTagsFormat,
+    )
+
+    fns = [t.get("function", t) for t in tools]
+    if choice not in ("auto", "required"):
+        fns = [f for f in fns if f.get("name") == choice]
+    if not fns:
+        raise ValueError("no tool to call")
+    ns = TokenFormat(token=ids.ns)
+
+    def invoke(fn: Mapping[str, Any]):
+        name = fn.get("name", "")
+        if _BAD_NAME.search(name):
+            raise ValueError(
+                f"tool name {name!r}: M3's tool calls cannot carry it (no spaces, quotes, <, >, / or =)"
+            )
+        schema = fn.get("parameters") or {"type": "object", "properties": {}}
+        _check_element_names(name, schema)
+        args = JSONSchemaFormat(json_schema=schema, style="minimax_m3_xml", max_whitespace_cnt=1)
+        return SequenceFormat(
+            elements=[
+                ns,
+                ConstStringFormat(value=f'<invoke name="{name}">'),
+                args,
+                ns,
+                ConstStringFormat(value="</invoke>\n"),
+            ]
+        )
+
+    invokes = [invoke(f) for f in fns]
+    calls = invokes[0] if len(invokes) == 1 else OrFormat(elements=invokes)
+    if parallel and choice in ("auto", "required"):
+        calls = PlusFormat(content=calls)
+    body = [TokenFormat(token=ids.open), ConstStringFormat(value="\n"), calls, ns]
+    if choice != "auto":
+        fmt = SequenceFormat(elements=[ns, *body, TokenFormat(token=ids.close)])
+    elif answer is None:
+        block = TagFormat(begin=ns, content=SequenceFormat(elements=body), end=TokenFormat(token=ids.close))
+        fmt = TokenTriggeredTagsFormat(
+            trigger_tokens=[ids.ns], tags=[block], exclude_tokens=[ids.open, ids.close], stop_after_first=True
+        )
+    else:
+        fmt = OrFormat(
+            elements=[
+                GrammarFormat(grammar=answer),
+                SequenceFormat(elements=[ns, *body, TokenFormat(token=ids.close)]),
+            ]
+        )
+    tag = StructuralTag(format=fmt).model_dump_json()
+    markers = ((NAMESPACE, ids.ns), ("<tool_call>", ids.open), ("</tool_call>", ids.close))
+    return StructuredOutput("structural_tag", tag, markers)
+
+
+def _check_element_names(tool: str, schema: Any, depth: int = 0) -> None:
+    """Property names become XML element names, which the parser reads only when they are plain."""
+    if depth > 64 or not isinstance(schema, Mapping):
+        return
+    props = schema.get("properties")
+    for name, sub in props.items() if isinstance(props, Mapping) else ():
+        if not name or len(name) > 128 or _BAD_NAME.search(name) or NAMESPACE in name:
+            raise ValueError(
+                f"tool {tool!r}: property {name!r} cannot be an element name of M3's tool calls "
+                "(1-128 characters, no spaces, quotes, <, >, / or =)"
+            )
+        _check_element_names(tool, sub, depth + 1)
+    for key in ("items", "additionalProperties"):
+        _check_element_names(tool, schema.get(key), depth + 1)
+    for key in ("anyOf", "oneOf", "allOf"):
+        subs = schema.get(key)
+        for sub in subs if isinstance(subs, list) else ():
+            _check_element_names(tool, sub, depth + 1)
+    defs = schema.get("$defs") or schema.get("definitions")
+    for sub in defs.values() if isinstance(defs, Mapping) else ():
+        _check_element_names(tool, sub, depth + 1)
