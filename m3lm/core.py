@@ -118,6 +118,9 @@ class ThinkingControl:
     budget: int | None = None
 
 
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop; the defaults may come from generation_config.json.
@@ -184,8 +187,9 @@ class SamplingParams:
             bad("top_k", "must be a signed 64-bit integer (<= 0 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", "must be in (0, 10]")
+        # the sampler holds it as float32: a smaller one would round to 0 and divide logits by it
+        if not FLOAT32_TINY <= self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"must be in [{FLOAT32_TINY:.3g}, 10]")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:

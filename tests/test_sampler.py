@@ -278,3 +278,19 @@ def test_logit_bias_steers_sampling_and_is_validated():
     ):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+def test_a_repetition_penalty_float32_cannot_hold_is_refused():
+    """5e-324 is a positive double but 0 in float32, where it would divide the logits by zero
+    (NaN rows, and a grammar's masked tokens drawn); the smallest accepted one keeps -inf."""
+    from m3lm.core import FLOAT32_TINY
+
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=5e-324)
+    logits = torch.tensor([[2.0, float("-inf"), -1.0, 0.0]])
+    rep = torch.tensor([SamplingParams(repetition_penalty=FLOAT32_TINY).repetition_penalty])
+    seen = torch.ones(1, 4, dtype=torch.bool)
+    out = apply_penalties(
+        logits, seen, torch.zeros(1, 4, dtype=torch.long), rep, torch.zeros(1), torch.zeros(1)
+    )
+    assert not out.isnan().any() and out[0, 1] == float("-inf")
