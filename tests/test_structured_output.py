@@ -426,7 +426,7 @@ def test_required_and_named_tool_choice_always_call_in_m3_format(client):
     own, would list calls until the bound."""
     rng = random.Random(3)
     jobs = []
-    for k in range(6):
+    for k in range(4):
         tools = tools_for(rng, strict=None if k % 2 else False)
         for choice in ("required", {"type": "function", "function": {"name": "tool_1"}}):
             for stream, think in thinking_variants():
