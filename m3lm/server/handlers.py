@@ -38,9 +38,9 @@ from m3lm.server.choice import (
     vllm_prompt_logprobs,
 )
 from m3lm.server.metrics import Metrics
-from m3lm.server.parsers import plan_tool_choice, template_messages
-from m3lm.server.protocol import ChatCompletionRequest, CompletionRequest, Limits, error_body
-from m3lm.server.reasoning import ReplyFormat, ReplyParser, detect_thinking_mode
+from m3lm.server.parsers import ToolChoicePlan, plan_tool_choice, template_messages
+from m3lm.server.protocol import ChatCompletionRequest, CompletionRequest, Limits, error_body, error_body_for
+from m3lm.server.reasoning import ReplyEvent, ReplyFormat, ReplyParser, detect_thinking_mode
 
 _json = msgspec.json.Encoder().encode
 log = logging.getLogger("m3lm.server")
@@ -53,10 +53,9 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.headers = status, message, type_, headers or {}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(
-            error_body(self.message, self.type, code=self.status), self.status, headers=self.headers
-        )
+    def response(self, path: str = "") -> JSONResponse:
+        body = error_body_for(path, self.message, self.type, code=self.status)
+        return JSONResponse(body, self.status, headers=self.headers)
 
 
 @dataclass
@@ -151,6 +150,11 @@ class _OwningStream(StreamingResponse):
             self.slots.release()
 
 
+def owning_stream(body: AsyncIterator[bytes], slots: Slots) -> StreamingResponse:
+    """An SSE reply that takes `slots` over: they are released once it is sent, failed or cut off."""
+    return _OwningStream(body, slots, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
 def _nth_seed(seed: int, i: int) -> int:
     """The seed of a request's i-th choice: seed + i, wrapping around the signed 64-bit range."""
     return (seed + i + 2**63) % 2**64 - 2**63
@@ -213,24 +217,32 @@ async def merge(
             t.cancel()
 
 
-async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+@dataclass
+class ChatPrompt:
+    """A validated chat request made ready for admission: its prompt ids, sampling and reply rules.
+    Every API that speaks in messages (chat completions, Responses, Anthropic Messages) comes
+    through here, so a conversation renders and samples alike whichever API it arrives by."""
+
+    ids: list[int]
+    params: SamplingParams
+    plan: ToolChoicePlan
+    tools: list[dict]
+    stops: list[str]
+    n: int
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request: Request) -> ChatPrompt:
+    """Validate and render a chat request (400 for what cannot be served); nothing is admitted."""
     tok = state.tokenizer
     if tok is None or not tok.has_chat_template:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     try:
         req.check_limits(state.limits)
         req.cache_salt = tenant_salt(state, request, req.cache_salt)
-        plan = plan_tool_choice(
-            [t.model_dump(exclude_none=True) for t in req.tools or []],
-            req.tool_choice,
-            req.parallel_tool_calls,
-        )
+        tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        plan = plan_tool_choice(tool_dicts, req.tool_choice, req.parallel_tool_calls)
         messages = template_messages([m.for_template() for m in req.messages])
-        tools = (
-            [t.model_dump(exclude_none=True) for t in req.tools]
-            if req.tools and req.tool_choice != "none"
-            else None
-        )
+        tools = tool_dicts if tool_dicts and req.tool_choice != "none" else None
         prompt_ids = await run_in_threadpool(
             tok.chat_prompt, messages, tools, True, req.chat_template_kwargs, state.max_prompt_tokens
         )
@@ -243,26 +255,71 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
         )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
+    return ChatPrompt(prompt_ids, params, plan, tool_dicts, req.stops(), req.n)
+
+
+def admit_chat(state: ServerState, prompt: ChatPrompt) -> tuple[Slots, list[Choice]]:
+    """Admit a prepared chat request (or refuse it whole): its slots and one Choice each. The
+    caller owns the slots from here (`Slots`)."""
     from m3lm.tokenizer import StopStrings
 
     slots = Slots(state)
     try:
-        slots.add(prompt_ids, params, req.n)
-        mode = detect_thinking_mode(prompt_ids, state.fmt.reasoning) if state.fmt else None
-        stops = req.stops()
-        tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        slots.add(prompt.ids, prompt.params, prompt.n)
+        mode = detect_thinking_mode(prompt.ids, state.fmt.reasoning) if state.fmt else None
         choices = [
             Choice(
                 i,
-                ReplyParser(state.fmt, mode, tool_dicts, plan) if state.fmt else None,
-                StopStrings(stops) if stops else None,
+                ReplyParser(state.fmt, mode, prompt.tools, prompt.plan) if state.fmt else None,
+                StopStrings(prompt.stops) if prompt.stops else None,
             )
-            for i in range(req.n)
+            for i in range(prompt.n)
         ]
-        return await _respond(state, req, request, slots, choices, len(prompt_ids), chat=True)
     except BaseException:
         slots.release()
         raise
+    return slots, choices
+
+
+async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+    prompt = await prepare_chat(state, req, request)
+    slots, choices = admit_chat(state, prompt)
+    try:
+        return await _respond(state, req, request, slots, choices, len(prompt.ids), chat=True)
+    except BaseException:
+        slots.release()
+        raise
+
+
+async def reply_events(
+    streams: list[RequestStream], choices: list[Choice], tick: float | None = None
+) -> AsyncIterator[tuple[Choice, list[ReplyEvent]] | None]:
+    """Each engine output of admitted choices as (choice, its typed reply events), for the
+    translation layers; None every `tick` seconds without output (their keep-alives). A failure
+    is an ApiError. Choices the streams left unfinished end "abort"."""
+    events = merge(streams, tick)
+    try:
+        async for item in events:
+            if item is None:
+                yield None
+                continue
+            i, out = item
+            c = choices[i]
+            if c.finish is not None:
+                continue
+            _check(out)
+            evs = c.events(out)
+            if c.stopped_by_string:
+                streams[i].abort(completed=True)
+            yield c, evs
+    except EngineDead as e:
+        raise ApiError(500, f"the engine stopped: {e}", "internal_error") from None
+    except Interrupted as e:
+        raise ApiError(503, str(e), "service_unavailable") from None
+    finally:
+        await events.aclose()
+    for c in choices:
+        c.finish = c.finish or "abort"
 
 
 async def completion(state: ServerState, req: CompletionRequest, request: Request):
@@ -319,11 +376,9 @@ async def _respond(state, req, request, slots: Slots, choices, prompt_tokens, ch
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(state, rid, created, streams, choices, prompt_tokens, chat, include_usage, req.n, ids)
-        return _OwningStream(
-            body, slots, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+        return owning_stream(body, slots)
     try:
-        await _collect_unless_gone(request, _collect(state, streams, choices))
+        await collect_unless_gone(request, _collect(state, streams, choices))
     finally:
         slots.release()
     totals = usage(prompt_tokens, choices, req.n)
@@ -370,7 +425,7 @@ async def _respond(state, req, request, slots: Slots, choices, prompt_tokens, ch
     }
 
 
-async def _collect_unless_gone(request: Request, collect) -> None:
+async def collect_unless_gone(request: Request, collect) -> None:
     """Run `collect` unless the client disconnects first (the caller then releases the slots)."""
     task = asyncio.ensure_future(collect)
     gone = asyncio.ensure_future(_disconnected(request))
