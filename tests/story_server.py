@@ -2,14 +2,17 @@
 for the tests of each API; `scripted` makes its sampler write a fixed reply (tool calls, which
 the story model does not write by itself)."""
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
+import torch
 from test_server import API_KEY, LiveServer, Script
 
 import m3lm
 from m3lm.config import EngineConfig
 from m3lm.engine.async_engine import AsyncEngine
 from m3lm.engine.engine import LLMEngine
+from m3lm.sampler import SampleOutput
 from m3lm.server.app import create_server_app
 from m3lm.server.protocol import Limits
 
@@ -31,11 +34,26 @@ def story_server(max_model_len: int = 256):
         server.stop()  # its lifespan stops the engine
 
 
+class PromptScript:
+    """A sampler writing `reply(prompt_ids)` for each request (its last id repeated)."""
+
+    def __init__(self, reply: Callable[[list[int]], list[int]]):
+        self.reply = reply
+
+    def __call__(self, logits, params, prompt_ids, output_ids, generators):
+        replies = [self.reply(p) for p in prompt_ids]
+        return SampleOutput(
+            torch.tensor([r[min(len(o), len(r) - 1)] for r, o in zip(replies, output_ids, strict=True)])
+        )
+
+
 @contextmanager
-def scripted(server, ids: list[int]):
-    """Every request to `server` replies with `ids` (the last one repeated) while this is open."""
+def scripted(server, reply: list[int] | Callable[[list[int]], list[int]]):
+    """Every request to `server` replies with `reply` (token ids, or a function of the prompt's)
+    while this is open."""
     engine = server.engine.engine
-    sampler, engine.sampler = engine.sampler, Script(ids)
+    sampler = Script(reply) if isinstance(reply, list) else PromptScript(reply)
+    sampler, engine.sampler = engine.sampler, sampler
     try:
         yield
     finally:

@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP server: FastAPI routes, auth, limits, errors, and `serve`.
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models[/{id}], /health, /metrics, /tokenize,
-/detokenize, /tokenizer_info, Anthropic's /v1/messages[/count_tokens] (`anthropic.py`), and the
-chat page at / (`web.py`). Every error is an OpenAI error object (Anthropic's on Anthropic's
-routes) with a truthful status. The API key guards every route but /health and the page's files
-and is compared in constant time. Model compute runs in the engine
-process (`m3lm.engine.engine_loop`); this one parses, tokenizes, detokenizes and streams.
+/detokenize, /tokenizer_info, /v1/responses[/{id}] (`responses.py`), Anthropic's
+/v1/messages[/count_tokens] (`anthropic.py`), and the chat page at / (`web.py`). Every error
+is an OpenAI error object (Anthropic's on Anthropic's routes) with a truthful status. The API key
+guards every route but /health and the page's files and is compared in constant time. Model
+compute runs in the engine process (`m3lm.engine.engine_loop`); this one parses, tokenizes,
+detokenizes and streams.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m3lm.engine.async_engine import AsyncEngine
 from m3lm.errors import M3lmError
-from m3lm.server import anthropic, web
+from m3lm.server import anthropic, responses, web
 from m3lm.server.asgi import ApiKeyAuth, DrainingServer, JsonErrors, RequestLimits, guarded_h11
 from m3lm.server.handlers import ApiError, ServerState, chat_completion, completion
 from m3lm.server.lifecycle import bind, stop_on_signals
@@ -182,6 +183,7 @@ def build_app(
         return await completion(state, req, request)
 
     anthropic.register(app, state, check_model)
+    responses.register(app, state, check_model)
 
     @app.post("/tokenize", responses=common)
     async def tokenize(req: TokenizeRequest):

@@ -23,6 +23,7 @@ class Choice:
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tokens: int = 0
+    reasoning_tokens: int = 0  # of `tokens`, those inside the reasoning (its markers included)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     finish: str | None = None
@@ -49,7 +50,9 @@ class Choice:
             parsed = []
             texts = out.token_texts or [""] * (len(out.new_token_ids) - 1) + [out.new_text]
             for tid, text in zip(out.new_token_ids, texts, strict=True):
+                was = self.parser.reasoning.in_reasoning
                 parsed += self.parser.feed(tid, text)
+                self.reasoning_tokens += was or self.parser.reasoning.in_reasoning
             if out.finished:
                 parsed += self.parser.finish()
         events: list[ReplyEvent] = []
