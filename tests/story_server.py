@@ -69,3 +69,30 @@ def tool_call_ids(tok, name: str, args: list[tuple[str, str]]) -> list[int]:
         pieces += [f"<{key}>{value}", f"</{key}>"]
     pieces.append("</invoke>")
     return [ns, open_] + [t for p in pieces for t in (ns, *tok.encode(p))] + [ns, close_]
+
+
+@contextmanager
+def failing_after(server, n: int):
+    """While this is open, each request's text fails after `n` tokens (its detokenizer raises)."""
+    engine = server.engine
+    real_add = engine.add
+
+    def add(ids, params, rid=None):
+        stream = real_add(ids, params, rid)
+        detok, seen = stream._text.detok, []
+        real = detok.add
+
+        def flaky(token_id):
+            seen.append(token_id)
+            if len(seen) > n:
+                raise RuntimeError("decoder exploded")
+            return real(token_id)
+
+        detok.add = flaky
+        return stream
+
+    engine.add = add
+    try:
+        yield
+    finally:
+        engine.add = real_add

@@ -9,7 +9,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from story_server import NAME, scripted, story_server, tool_call_ids
+from story_server import NAME, failing_after, scripted, story_server, tool_call_ids
 from test_server import API_KEY, wait_idle
 
 from m3lm.server.anthropic import MessagesRequest, ThinkingSigner, chat_request
@@ -337,6 +337,22 @@ def test_errors_are_anthropics_and_both_key_headers_work(client, live):
     assert r.status_code == 200
 
 
+def test_a_failure_mid_stream_is_an_error_event(client, live):
+    kw = {"model": NAME, "max_tokens": 20, "messages": STORY, "extra_body": {"ignore_eos": True}}
+    with failing_after(live, 3):
+        events = []
+        with pytest.raises(anthropic.APIStatusError) as e:
+            for event in client.messages.create(stream=True, **kw):
+                events.append(event.type)
+        with pytest.raises(anthropic.InternalServerError) as whole:
+            client.messages.create(**kw)
+    assert events[0] == "message_start" and "message_stop" not in events
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
+    assert "decoder exploded" in e.value.body["error"]["message"]
+    assert whole.value.body["error"]["type"] == "api_error"
+    wait_idle(live.engine)
+
+
 def test_a_stream_left_early_frees_its_request(client, live):
     with client.messages.stream(
         model=NAME, max_tokens=400, messages=STORY, extra_body={"ignore_eos": True}
@@ -382,6 +398,10 @@ def test_chat_request_mapping():
             "thinking": {"type": "adaptive"},
             "stop_sequences": ["\n\n"],
             "top_k": 5,
+            "output_config": {
+                "effort": "low",
+                "format": {"type": "json_schema", "schema": {"type": "object"}},
+            },
         }
     )
     chat = chat_request(req, signer)
@@ -402,4 +422,6 @@ def test_chat_request_mapping():
     assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
     assert chat.chat_template_kwargs == {"thinking_mode": "adaptive"}
     assert (chat.stop, chat.top_k, chat.max_tokens) == (["\n\n"], 5, 5)
+    schema = {"name": "output", "schema": {"type": "object"}, "strict": True}
+    assert chat.response_format == {"type": "json_schema", "json_schema": schema}
     assert not ThinkingSigner().verify("hmm", signer.sign("hmm"))  # another server's secret

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from openai.types.shared import Reasoning
-from story_server import NAME, scripted, story_server, tool_call_ids
+from story_server import NAME, failing_after, scripted, story_server, tool_call_ids
 from test_server import API_KEY
 
 from m3lm.server.responses import ResponseStore, chat_messages
@@ -195,6 +195,20 @@ def test_stored_responses_continue_and_are_listed_by_id(client, live):
             client.responses.retrieve(rid)
         with pytest.raises(openai.NotFoundError):
             client.responses.create(input="x", previous_response_id=rid, **kw)
+
+
+def test_a_failure_mid_stream_fails_the_response(client, live):
+    kw = {"model": NAME, "input": STORY, "max_output_tokens": 20, "extra_body": {"ignore_eos": True}}
+    with failing_after(live, 3):
+        events = list(client.responses.create(stream=True, **kw))
+        with pytest.raises(openai.InternalServerError, match="decoder exploded"):
+            client.responses.create(**kw)
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1]
+    assert final.type == "response.failed" and final.response.status == "failed"
+    assert final.response.id == events[0].response.id
+    assert final.response.error.code == "server_error" and "decoder exploded" in final.response.error.message
 
 
 def test_the_store_is_bounded_and_per_key():

@@ -18,6 +18,8 @@ The mapping:
 - `tool_choice` `auto` / `none` / `any` / `tool` is chat's `auto` / `none` / `required` / a named
   function, with the same enforcement (`parsers.plan_tool_choice`); `disable_parallel_tool_use`
   is `parallel_tool_calls: false`;
+- `output_config.format` (a JSON schema) is chat's `response_format`, with the same support;
+  `output_config.effort` is accepted and ignored;
 - `stop_sequences` are stop strings on the answer; `metadata`, `service_tier` and other fields
   are accepted and ignored (logged once); a final assistant message (prefill) is refused.
 
@@ -140,6 +142,11 @@ class ThinkingConfig(_Block):
     budget_tokens: int | None = None
 
 
+class OutputConfig(_Block):
+    effort: str | None = None
+    format: dict[str, Any] | None = None
+
+
 class CountTokensRequest(_Body):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -149,6 +156,7 @@ class CountTokensRequest(_Body):
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -289,6 +297,10 @@ def chat_request(req: CountTokensRequest, signer: ThinkingSigner) -> ChatComplet
     }
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"thinking_mode": req.thinking.type}
+    fmt = req.output_config.format if req.output_config else None
+    if fmt is not None:  # structured output, as chat's response_format
+        schema = {"name": "output", "schema": fmt.get("schema"), "strict": True}
+        body["response_format"] = {"type": fmt.get("type"), "json_schema": schema}
     if isinstance(req, MessagesRequest):
         body.update(
             max_tokens=req.max_tokens,

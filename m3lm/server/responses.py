@@ -17,8 +17,8 @@ The mapping:
   adaptive, `medium` and above enabled; without it the template's default (adaptive) holds;
 - function `tools`, `tool_choice` (`auto`, `none`, `required`, a named function) and
   `parallel_tool_calls` as in chat, with the same enforcement; `max_output_tokens` is
-  `max_tokens`; `text.format` is chat's `response_format` (refused there until structured output
-  is enforced), `text.verbosity` is accepted and ignored;
+  `max_tokens`; `text.format` is chat's `response_format`, with the same support;
+  `text.verbosity` is accepted and ignored;
 - `previous_response_id` continues a stored response: the last `STORED` responses with
   `store` (default true) are kept in this process (least recently used first out), each within
   its API key's namespace, and `GET /v1/responses/{id}` returns them;
