@@ -11,8 +11,10 @@ import openai
 import pytest
 from story_server import NAME, failing_after, scripted, story_server, tool_call_ids
 from test_server import API_KEY, wait_idle
+from test_server_sturdy import stalled_engine
 
 from m3lm.server.anthropic import MessagesRequest, ThinkingSigner, chat_request
+from m3lm.server.protocol import Limits
 
 STORY = [{"role": "user", "content": "Tell me a story about a dog."}]
 GREEDY = {"extra_body": {"temperature": 0}}  # the newest SDK has no sampling arguments of its own
@@ -351,6 +353,21 @@ def test_a_failure_mid_stream_is_an_error_event(client, live):
     assert "decoder exploded" in e.value.body["error"]["message"]
     assert whole.value.body["error"]["type"] == "api_error"
     wait_idle(live.engine)
+
+
+def test_a_waiting_stream_gets_pings_then_its_events(client, live):
+    wait_idle(live.engine)
+    restore = stalled_engine(live, Limits().keepalive_s + 1.5)
+    body = {"model": NAME, "max_tokens": 3, "messages": STORY, "stream": True}
+    try:
+        with httpx.stream(
+            "POST", live.url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60
+        ) as r:
+            names = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+    finally:
+        restore()
+    assert names[0] == "message_start" and names[1] == "ping"
+    assert "content_block_delta" in names and names[-2:] == ["message_delta", "message_stop"]
 
 
 def test_a_stream_left_early_frees_its_request(client, live):

@@ -15,8 +15,10 @@ import openai
 import pytest
 from openai.types.shared import Reasoning
 from story_server import NAME, failing_after, scripted, story_server, tool_call_ids
-from test_server import API_KEY
+from test_server import API_KEY, wait_idle
+from test_server_sturdy import stalled_engine
 
+from m3lm.server.protocol import Limits
 from m3lm.server.responses import ResponseStore, chat_messages
 
 agents = pytest.importorskip("agents")
@@ -209,6 +211,22 @@ def test_a_failure_mid_stream_fails_the_response(client, live):
     assert final.type == "response.failed" and final.response.status == "failed"
     assert final.response.id == events[0].response.id
     assert final.response.error.code == "server_error" and "decoder exploded" in final.response.error.message
+
+
+def test_a_waiting_stream_gets_comments_then_its_events(live):
+    wait_idle(live.engine)
+    restore = stalled_engine(live, Limits().keepalive_s + 1.5)
+    body = {"model": NAME, "input": STORY, "max_output_tokens": 3, "stream": True}
+    try:
+        with httpx.stream(
+            "POST", live.url + "/v1/responses", json=body, headers={"x-api-key": API_KEY}, timeout=60
+        ) as r:
+            lines = [line for line in r.iter_lines() if line.startswith((":", "event: "))]
+    finally:
+        restore()
+    assert lines[:2] == ["event: response.created", "event: response.in_progress"]
+    assert lines[2] == ": keep-alive" and "event: response.output_text.delta" in lines
+    assert lines[-1] in ("event: response.completed", "event: response.incomplete")
 
 
 def test_the_store_is_bounded_and_per_key():
