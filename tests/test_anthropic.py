@@ -312,6 +312,21 @@ def test_errors_are_anthropics_and_both_key_headers_work(client, live):
             {
                 "model": NAME,
                 "max_tokens": 1,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "document"}]}
+                        ],
+                    }
+                ],
+            },
+            "document",
+        ),
+        (
+            {
+                "model": NAME,
+                "max_tokens": 1,
                 "messages": STORY,
                 "tools": [{"type": "web_search_20250305", "name": "web_search"}],
             },

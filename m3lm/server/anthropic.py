@@ -115,8 +115,12 @@ class InputMessage(BaseModel):
     def _known_blocks(cls, data: Any) -> Any:
         """Name a block type this server cannot read (images, documents) rather than its shape."""
         content = data.get("content") if isinstance(data, dict) else None
-        for b in content if isinstance(content, list) else ():
-            kind = b.get("type") if isinstance(b, dict) else None
+        blocks = [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
+        for b in list(blocks):  # and the blocks of tool results
+            if b.get("type") == "tool_result" and isinstance(b.get("content"), list):
+                blocks += [x for x in b["content"] if isinstance(x, dict)]
+        for b in blocks:
+            kind = b.get("type")
             if isinstance(kind, str) and kind not in _BLOCK_TYPES:
                 raise ValueError(
                     f"{kind} blocks are not supported: this model reads {', '.join(_BLOCK_TYPES)}"
