@@ -23,7 +23,7 @@ def run(code: str, tmp_path) -> subprocess.CompletedProcess:
 
 
 def test_the_readme_has_its_examples():
-    assert len(SNIPPETS) == 3
+    assert len(SNIPPETS) == 5
     assert not any("/path/to" in s or '"NAME"' in s for s in SNIPPETS)
 
 
@@ -33,13 +33,14 @@ def test_a_python_example_runs(index, tmp_path):
     assert len(out.split()) >= 5, out  # each prints generated text
 
 
-def test_the_server_example_runs_against_m3lm_serve(tmp_path):
-    code = SNIPPETS[2]
-    assert "http://127.0.0.1:8000/v1" in code and 'api_key="KEY"' in code
+def test_the_server_examples_run_against_m3lm_serve(tmp_path):
+    """Chat completions, Responses and Anthropic's Messages, against one server."""
+    codes = SNIPPETS[2:]
+    assert all("http://127.0.0.1:8000" in c and 'api_key="KEY"' in c for c in codes)
     server = Serve("--api-key", "KEY")
     try:
         server.wait_healthy()
-        out = run(code.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}"), tmp_path).stdout
+        outs = [run(c.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}"), tmp_path).stdout for c in codes]
     finally:
         server.kill()
-    assert out.strip(), out
+    assert all(out.strip() for out in outs), outs

@@ -52,9 +52,12 @@ EXAMPLES = int(os.environ.get("M3LM_FUZZ_EXAMPLES", "0"))
 )
 def test_api_never_fails_with_5xx(case):
     if isinstance(case.body, dict):  # keep generation short; other values stay as generated
-        for key in ("max_tokens", "max_completion_tokens"):
+        required = case.path == "/v1/messages"  # max_tokens is required there: its absence is a case
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = case.body.get(key)
-            if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 4):
+            if (value is None and not required) or (
+                isinstance(value, int) and not isinstance(value, bool) and value > 4
+            ):
                 case.body[key] = 4
     # The API has rules a JSON schema cannot state (a prompt within the context, tool_choice naming
     # a listed tool, caps on n x prompts): a schema-valid request may still get a 400.

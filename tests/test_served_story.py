@@ -8,26 +8,16 @@ import httpx
 import openai
 import pytest
 import torch
-from test_server import API_KEY, LiveServer
+from story_server import NAME, story_server
+from test_server import API_KEY
 
-import m3lm
-from m3lm.config import EngineConfig
-from m3lm.engine.async_engine import AsyncEngine
-from m3lm.engine.engine import LLMEngine
-from m3lm.server.app import create_server_app
-from m3lm.server.protocol import Limits
-
-NAME = "story"
 TEXTS = ["Once upon a time there was a little girl named Lily.", "The dog ran to the park and"]
 
 
 @pytest.fixture(scope="module")
 def served():
-    model, tok = m3lm.load(m3lm.DEFAULT_MODEL, device="cpu", dtype="float32")
-    engine = AsyncEngine(LLMEngine(model, tok, EngineConfig(max_model_len=256, max_num_seqs=8))).start()
-    server = LiveServer(create_server_app(engine, tok, NAME, API_KEY, Limits()))
-    yield server, model, tok
-    server.stop()
+    with story_server() as server:
+        yield server, server.model, server.tok
 
 
 @pytest.fixture
@@ -156,3 +146,8 @@ def test_a_reply_ended_by_a_stop_string_counts_in_the_latency(served, client):
     cut = client.chat.completions.create(stop=[stop], **kw).choices[0]
     assert cut.finish_reason == "stop" and cut.message.content == whole[:6]
     assert e2e_count(server) == before + 1
+
+
+def test_echo_of_ids_outside_the_vocabulary_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=NAME, prompt=[-1], echo=True, max_tokens=1)

@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP server: FastAPI routes, auth, limits, errors, and `serve`.
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models[/{id}], /health, /metrics, /tokenize,
-/detokenize, /tokenizer_info, and the chat page at / (`web.py`). Every error is an OpenAI error
-object with a truthful status. The API key guards every route but /health and the page's files
-and is compared in constant time. Model compute runs in the engine
-process (`m3lm.engine.engine_loop`); this one parses, tokenizes, detokenizes and streams.
+/detokenize, /tokenizer_info, /v1/responses[/{id}] (`responses.py`), Anthropic's
+/v1/messages[/count_tokens] (`anthropic.py`), and the chat page at / (`web.py`). Every error
+is an OpenAI error object (Anthropic's on Anthropic's routes) with a truthful status. The API key
+guards every route but /health and the page's files and is compared in constant time. Model
+compute runs in the engine process (`m3lm.engine.engine_loop`); this one parses, tokenizes,
+detokenizes and streams.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
+from functools import partial
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -25,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m3lm.engine.async_engine import AsyncEngine
 from m3lm.errors import M3lmError
-from m3lm.server import web
+from m3lm.server import anthropic, responses, web
 from m3lm.server.asgi import ApiKeyAuth, DrainingServer, JsonErrors, RequestLimits, guarded_h11
 from m3lm.server.handlers import ApiError, ServerState, chat_completion, completion
 from m3lm.server.lifecycle import bind, stop_on_signals
@@ -39,7 +42,7 @@ from m3lm.server.protocol import (
     TokenizeRequest,
     body_bound,
     documented_errors,
-    error_body,
+    error_body_for,
 )
 from m3lm.server.reasoning import ReplyFormat
 
@@ -76,38 +79,37 @@ def build_app(
     app.state.m3lm = state
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError):
-        return e.response()
+    async def api_error(request: Request, e: ApiError):
+        return e.response(request.scope["path"])
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError):
+    async def invalid(request: Request, e: RequestValidationError):
+        error_of = partial(error_body_for, request.scope["path"])  # in the shape of the route's API
         first = e.errors()[0] if e.errors() else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         if first.get("type") == "json_invalid":  # the location is a byte offset, not a field
             why = (first.get("ctx") or {}).get("error")
             at = first.get("loc", ())[-1:]
             where = f" ({why} at character {at[0]})" if why and at else ""
-            return JSONResponse(error_body(f"the request body is not valid JSON{where}", code=400), 400)
+            return JSONResponse(error_of(f"the request body is not valid JSON{where}", code=400), 400)
         if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
             # no body, or one that is not an object (or not sent as JSON)
             msg = "the request body must be a JSON object (sent with Content-Type: application/json)"
-            return JSONResponse(error_body(msg, code=400), 400)
+            return JSONResponse(error_of(msg, code=400), 400)
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
-        return JSONResponse(error_body(msg, param=loc or None, code=400), 400)
+        return JSONResponse(error_of(msg, param=loc or None, code=400), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException):
+    async def http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            error_body(str(e.detail), kind, code=e.status_code), e.status_code, headers=e.headers
-        )
+        body = error_body_for(request.scope["path"], str(e.detail), kind, code=e.status_code)
+        return JSONResponse(body, e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, e: Exception):
+    async def internal(request: Request, e: Exception):
         log.exception("internal error")
-        return JSONResponse(
-            error_body(f"internal error: {type(e).__name__}", "internal_error", code=500), 500
-        )
+        message = f"internal error: {type(e).__name__}"
+        return JSONResponse(error_body_for(request.scope["path"], message, "internal_error", code=500), 500)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -179,6 +181,9 @@ def build_app(
         check_model(req.model)
         req.warn_unknown()
         return await completion(state, req, request)
+
+    anthropic.register(app, state, check_model)
+    responses.register(app, state, check_model)
 
     @app.post("/tokenize", responses=common)
     async def tokenize(req: TokenizeRequest):

@@ -24,15 +24,16 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from m3lm.server.protocol import Limits, error_body
+from m3lm.server.protocol import Limits, error_body, error_body_for
 
 log = logging.getLogger("m3lm.server")
 
 
 async def send_error(
-    send, status: int, message: str, type_: str = "invalid_request_error", extra_headers=()
+    send, status: int, message: str, type_: str = "invalid_request_error", extra_headers=(), path: str = ""
 ) -> None:
-    body = json.dumps(error_body(message, type_, code=status)).encode()
+    """An error response before the app answers, in the shape of the API `path` belongs to."""
+    body = json.dumps(error_body_for(path, message, type_, code=status)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += extra_headers
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -63,13 +64,14 @@ class JsonErrors:
             if started:
                 raise
             log.exception("internal error")
-            await send_error(send, 500, f"internal error: {type(e).__name__}", "internal_error")
+            message = f"internal error: {type(e).__name__}"
+            await send_error(send, 500, message, "internal_error", path=scope["path"])
 
 
 class ApiKeyAuth:
-    """Pure ASGI: every path but the `public` ones needs `Authorization: Bearer <key>` for one of
-    `api_keys` (each compared in constant time). The request's `state.tenant` is then a digest of
-    its key.
+    """Pure ASGI: every path but the `public` ones needs `Authorization: Bearer <key>` or (as
+    Anthropic's clients send it) `x-api-key: <key>` for one of `api_keys`, each compared in
+    constant time. The request's `state.tenant` is then a digest of its key.
 
     Pure ASGI rather than an HTTP middleware so that the app keeps the real `receive`, through which
     a handler learns that its client has gone.
@@ -78,17 +80,24 @@ class ApiKeyAuth:
     def __init__(self, app, api_keys: Sequence[str], public: Collection[str] = ("/health",)):
         assert api_keys, "no API key"
         self.app, self.public = app, frozenset(public)
-        self.keys = [(f"Bearer {k}".encode(), hashlib.sha256(k.encode()).hexdigest()) for k in api_keys]
+        self.keys = [
+            (f"Bearer {k}".encode(), k.encode(), hashlib.sha256(k.encode()).hexdigest()) for k in api_keys
+        ]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in self.public:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            headers = dict(scope.get("headers") or [])
+            bearer, key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
             tenant = None
-            for expected, digest in self.keys:  # every key is compared: the time says nothing of which
-                if hmac.compare_digest(given, expected):
+            for expected_bearer, expected_key, digest in self.keys:
+                # every key and both headers are compared: the time says nothing of which matched
+                by_bearer = hmac.compare_digest(bearer, expected_bearer)
+                by_key = key is not None and hmac.compare_digest(key, expected_key)
+                if by_bearer or by_key:
                     tenant = digest
             if tenant is None:
-                return await send_error(send, 401, "invalid or missing API key", "authentication_error")
+                message = "invalid or missing API key"
+                return await send_error(send, 401, message, "authentication_error", path=scope["path"])
             scope.setdefault("state", {})["tenant"] = tenant
         return await self.app(scope, receive, send)
 
@@ -113,21 +122,21 @@ class RequestLimits:
             return await self.app(scope, receive, send)
         raw = scope.get("headers") or []
         if sum(len(k) + len(v) + 4 for k, v in raw) > self.header_limit:
-            return await send_error(send, 431, f"request headers over {self.header_limit} bytes")
+            message = f"request headers over {self.header_limit} bytes"
+            return await send_error(send, 431, message, path=scope["path"])
         length = dict(raw).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await send_error(send, 413, f"request body over {self.limit} bytes")
+            return await send_error(send, 413, f"request body over {self.limit} bytes", path=scope["path"])
         try:
             async with asyncio.timeout(self.body_timeout_s):
                 body = await self._read_body(receive)
         except TimeoutError:
-            return await send_error(
-                send, 408, f"the request body did not arrive within {self.body_timeout_s:g} s"
-            )
+            message = f"the request body did not arrive within {self.body_timeout_s:g} s"
+            return await send_error(send, 408, message, path=scope["path"])
         if body is None:  # the client went away
             return None
         if len(body) > self.limit:
-            return await send_error(send, 413, f"request body over {self.limit} bytes")
+            return await send_error(send, 413, f"request body over {self.limit} bytes", path=scope["path"])
         sent = False
 
         async def replay():
@@ -309,6 +318,7 @@ async def _too_many_connections(scope, receive, send) -> None:
         "the server has too many open connections; retry later",
         "service_unavailable",
         [(b"retry-after", b"1"), (b"connection", b"close")],
+        path=scope.get("path", ""),
     )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from m3lm.engine.engine import StepOutput
 from m3lm.engine.sequence import TokenLogprob
 from m3lm.server.parsers import finish_reason
-from m3lm.server.reasoning import ReplyParser, to_openai_delta
+from m3lm.server.reasoning import ReasoningText, ReplyEvent, ReplyParser, to_openai_delta
 from m3lm.server.tools import ContentDelta
 
 
@@ -23,6 +23,7 @@ class Choice:
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tokens: int = 0
+    reasoning_tokens: int = 0  # of `tokens`, those inside the reasoning (its markers included)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     finish: str | None = None
@@ -34,57 +35,57 @@ class Choice:
     offset: int = 0  # text_offset of the next logprob entry (streaming)
 
     def consume(self, out: StepOutput) -> list[dict]:
-        """Deltas for one engine output (each delta is one kind only)."""
+        """OpenAI deltas for one engine output (each delta is one kind only)."""
+        return [to_openai_delta(ev) for ev in self.events(out)]
+
+    def events(self, out: StepOutput) -> list[ReplyEvent]:
+        """The typed reply events of one engine output, after the answer's stop strings; the
+        translation layers of each API make their own wire format of these."""
         self.tokens += len(out.new_token_ids)
         self.token_ids += out.new_token_ids
         self.cached = out.num_prefix_cached
         if self.parser is None:
-            events: list = [ContentDelta(out.new_text)] if out.new_text else []
+            parsed: list[ReplyEvent] = [ContentDelta(out.new_text)] if out.new_text else []
         else:
-            events = []
+            parsed = []
             texts = out.token_texts or [""] * (len(out.new_token_ids) - 1) + [out.new_text]
             for tid, text in zip(out.new_token_ids, texts, strict=True):
-                events += self.parser.feed(tid, text)
+                was = self.parser.reasoning.in_reasoning
+                parsed += self.parser.feed(tid, text)
+                self.reasoning_tokens += was or self.parser.reasoning.in_reasoning
             if out.finished:
-                events += self.parser.finish()
-        deltas = []
-        for ev in events:
+                parsed += self.parser.finish()
+        events: list[ReplyEvent] = []
+        for ev in parsed:
             if isinstance(ev, ContentDelta) and self.stops is not None:
                 text, hit = self.stops.feed(ev.text)
                 if hit:
                     self.stopped_by_string = True
                 if text:
-                    deltas.append(self._content(text))
+                    events.append(ContentDelta(text))
                 if hit:
                     break
                 continue
-            deltas.append(self._delta(ev))
+            events.append(ev)
         if (
             out.finished
             and self.stops is not None
             and not self.stopped_by_string
             and (rest := self.stops.flush())
         ):
-            deltas.append(self._content(rest))
+            events.append(ContentDelta(rest))
+        for ev in events:
+            if isinstance(ev, ContentDelta):
+                self.content.append(ev.text)
+            elif isinstance(ev, ReasoningText):
+                self.reasoning.append(ev.text)
         if self.stopped_by_string:
             self.finish = "stop"
         elif out.finished:
             self.finish = finish_reason(
                 self.parser.tool_calls if self.parser else [], out.finish_reason or "stop"
             )
-        return deltas
-
-    def _content(self, text: str) -> dict:
-        self.content.append(text)
-        return {"content": text}
-
-    def _delta(self, ev) -> dict:
-        d = to_openai_delta(ev)
-        if "content" in d:
-            self.content.append(d["content"])
-        elif "reasoning" in d:
-            self.reasoning.append(d["reasoning"])
-        return d
+        return events
 
     def message(self) -> dict:
         calls = self.parser.tool_calls if self.parser else []

@@ -38,9 +38,9 @@ from m3lm.server.choice import (
     vllm_prompt_logprobs,
 )
 from m3lm.server.metrics import Metrics
-from m3lm.server.parsers import plan_tool_choice, template_messages
-from m3lm.server.protocol import ChatCompletionRequest, CompletionRequest, Limits, error_body
-from m3lm.server.reasoning import ReplyFormat, ReplyParser, detect_thinking_mode
+from m3lm.server.parsers import ToolChoicePlan, plan_tool_choice, template_messages
+from m3lm.server.protocol import ChatCompletionRequest, CompletionRequest, Limits, error_body, error_body_for
+from m3lm.server.reasoning import ReplyEvent, ReplyFormat, ReplyParser, detect_thinking_mode
 from m3lm.server.structured import chat_rules, completion_rules
 
 _json = msgspec.json.Encoder().encode
@@ -54,10 +54,9 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.headers = status, message, type_, headers or {}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(
-            error_body(self.message, self.type, code=self.status), self.status, headers=self.headers
-        )
+    def response(self, path: str = "") -> JSONResponse:
+        body = error_body_for(path, self.message, self.type, code=self.status)
+        return JSONResponse(body, self.status, headers=self.headers)
 
 
 @dataclass
@@ -152,6 +151,11 @@ class _OwningStream(StreamingResponse):
             self.slots.release()
 
 
+def owning_stream(body: AsyncIterator[bytes], slots: Slots) -> StreamingResponse:
+    """An SSE reply that takes `slots` over: they are released once it is sent, failed or cut off."""
+    return _OwningStream(body, slots, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
 def _nth_seed(seed: int, i: int) -> int:
     """The seed of a request's i-th choice: seed + i, wrapping around the signed 64-bit range."""
     return (seed + i + 2**63) % 2**64 - 2**63
@@ -212,7 +216,22 @@ async def merge(
             t.cancel()
 
 
-async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+@dataclass
+class ChatPrompt:
+    """A validated chat request made ready for admission: its prompt ids, sampling and reply rules.
+    Every API that speaks in messages (chat completions, Responses, Anthropic Messages) comes
+    through here, so a conversation renders and samples alike whichever API it arrives by."""
+
+    ids: list[int]
+    params: SamplingParams
+    plan: ToolChoicePlan
+    tools: list[dict]
+    stops: list[str]
+    n: int
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request: Request) -> ChatPrompt:
+    """Validate and render a chat request (400 for what cannot be served); nothing is admitted."""
     tok = state.tokenizer
     if tok is None or not tok.has_chat_template:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
@@ -238,24 +257,71 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
         params = replace(params, structured=rules, thinking=thinking)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
+    return ChatPrompt(prompt_ids, params, plan, tool_dicts, req.stops(), req.n)
+
+
+def admit_chat(state: ServerState, prompt: ChatPrompt) -> tuple[Slots, list[Choice]]:
+    """Admit a prepared chat request (or refuse it whole): its slots and one Choice each. The
+    caller owns the slots from here (`Slots`)."""
     from m3lm.tokenizer import StopStrings
 
     slots = Slots(state)
     try:
-        slots.add(prompt_ids, params, req.n)
-        stops = req.stops()
+        slots.add(prompt.ids, prompt.params, prompt.n)
+        mode = detect_thinking_mode(prompt.ids, state.fmt.reasoning) if state.fmt else None
         choices = [
             Choice(
                 i,
-                ReplyParser(state.fmt, mode, tool_dicts, plan) if state.fmt else None,
-                StopStrings(stops) if stops else None,
+                ReplyParser(state.fmt, mode, prompt.tools, prompt.plan) if state.fmt else None,
+                StopStrings(prompt.stops) if prompt.stops else None,
             )
-            for i in range(req.n)
+            for i in range(prompt.n)
         ]
-        return await _respond(state, req, request, slots, choices, len(prompt_ids), chat=True)
     except BaseException:
         slots.release()
         raise
+    return slots, choices
+
+
+async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+    prompt = await prepare_chat(state, req, request)
+    slots, choices = admit_chat(state, prompt)
+    try:
+        return await _respond(state, req, request, slots, choices, len(prompt.ids), chat=True)
+    except BaseException:
+        slots.release()
+        raise
+
+
+async def reply_events(
+    streams: list[RequestStream], choices: list[Choice], tick: float | None = None
+) -> AsyncIterator[tuple[Choice, list[ReplyEvent]] | None]:
+    """Each engine output of admitted choices as (choice, its typed reply events), for the
+    translation layers; None every `tick` seconds without output (their keep-alives). A failure
+    is an ApiError. Choices the streams left unfinished end "abort"."""
+    events = merge(streams, tick)
+    try:
+        async for item in events:
+            if item is None:
+                yield None
+                continue
+            i, out = item
+            c = choices[i]
+            if c.finish is not None:
+                continue
+            _check(out)
+            evs = c.events(out)
+            if c.stopped_by_string:
+                streams[i].abort(completed=True)
+            yield c, evs
+    except EngineDead as e:
+        raise ApiError(500, f"the engine stopped: {e}", "internal_error") from None
+    except Interrupted as e:
+        raise ApiError(503, str(e), "service_unavailable") from None
+    finally:
+        await events.aclose()
+    for c in choices:
+        c.finish = c.finish or "abort"
 
 
 async def completion(state: ServerState, req: CompletionRequest, request: Request):
@@ -282,10 +348,6 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
         params = req.sampling(
             state.defaults, max_tokens, req.logprobs, req.stops(), prompt_logprobs=req.scored_prompt()
         )
-        # echo: the prompt's text as given, or as its ids decode
-        echoes = (
-            [p if isinstance(p, str) else tok.decode(p) if tok else "" for p in prompts] if req.echo else None
-        )
         if req.response_format is not None or req.structured_outputs is not None:
             if tok is None:
                 raise ValueError("structured output needs the model's tokenizer")
@@ -296,6 +358,10 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
     try:
         for p in ids:
             slots.add(p, params, req.n)
+        # echo: the prompt's text as given, or as its ids decode (admitted: ids in the vocabulary)
+        echoes = (
+            [p if isinstance(p, str) else tok.decode(p) if tok else "" for p in prompts] if req.echo else None
+        )
         choices = [
             Choice(i, None, prompt_ids=ids[i // req.n], echo=echoes[i // req.n] if echoes else None)
             for i in range(len(slots.streams))
@@ -316,11 +382,9 @@ async def _respond(state, req, request, slots: Slots, choices, prompt_tokens, ch
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(state, rid, created, streams, choices, prompt_tokens, chat, include_usage, req.n, ids)
-        return _OwningStream(
-            body, slots, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+        return owning_stream(body, slots)
     try:
-        await _collect_unless_gone(request, _collect(state, streams, choices))
+        await collect_unless_gone(request, _collect(state, streams, choices))
     finally:
         slots.release()
     totals = usage(prompt_tokens, choices, req.n)
@@ -367,7 +431,7 @@ async def _respond(state, req, request, slots: Slots, choices, prompt_tokens, ch
     }
 
 
-async def _collect_unless_gone(request: Request, collect) -> None:
+async def collect_unless_gone(request: Request, collect) -> None:
     """Run `collect` unless the client disconnects first (the caller then releases the slots)."""
     task = asyncio.ensure_future(collect)
     gone = asyncio.ensure_future(_disconnected(request))

@@ -76,6 +76,17 @@ class _Body(BaseModel):
         check_json(data)
         return data
 
+    def warn_unknown(self) -> None:
+        """One log line for the unknown fields not logged before (remembering a bounded number)."""
+        new = sorted((self.model_extra or {}).keys() - _warned_fields)
+        if not new:
+            return
+        room = max(0, _MAX_WARNED - len(_warned_fields))
+        _warned_fields.update(new[:room])
+        shown = ", ".join(repr(n[:64]) for n in new[:_NAMES_PER_LINE])
+        more = f" and {len(new) - _NAMES_PER_LINE} more" if len(new) > _NAMES_PER_LINE else ""
+        log.info("ignoring unknown request field(s) %s%s", shown, more)
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -114,6 +125,31 @@ def error_body(
     message: str, type_: str = "invalid_request_error", param: str | None = None, code: int | None = None
 ) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+ANTHROPIC_PATH = "/v1/messages"  # its routes answer errors in Anthropic's shape
+_ANTHROPIC_TYPES = {"service_unavailable": "overloaded_error", "internal_error": "api_error"}
+
+
+def anthropic_error_body(
+    message: str, type_: str = "invalid_request_error", status: int | None = None
+) -> dict:
+    """Anthropic's error object, its type named in Anthropic's words."""
+    kind = "request_too_large" if status == 413 else _ANTHROPIC_TYPES.get(type_, type_)
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(
+    path: str,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: int | None = None,
+) -> dict:
+    """The error object of the API `path` belongs to: Anthropic's under /v1/messages, else OpenAI's."""
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        return anthropic_error_body(message, type_, code)
+    return error_body(message, type_, param, code)
 
 
 class ErrorDetail(BaseModel):
@@ -164,17 +200,6 @@ class _Request(_Body):
     response_format: dict[str, Any] | None = None
     prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's: each prompt token's logprob + top k
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension: json, regex, choice, grammar
-
-    def warn_unknown(self) -> None:
-        """One log line for the unknown fields not logged before (remembering a bounded number)."""
-        new = sorted((self.model_extra or {}).keys() - _warned_fields)
-        if not new:
-            return
-        room = max(0, _MAX_WARNED - len(_warned_fields))
-        _warned_fields.update(new[:room])
-        shown = ", ".join(repr(n[:64]) for n in new[:_NAMES_PER_LINE])
-        more = f" and {len(new) - _NAMES_PER_LINE} more" if len(new) > _NAMES_PER_LINE else ""
-        log.info("ignoring unknown request field(s) %s%s", shown, more)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
