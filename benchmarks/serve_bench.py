@@ -82,8 +82,10 @@ class Result:
 class Server:
     """`python -m m3lm serve` as a child process on a free loopback port."""
 
-    def __init__(self, model: str, api_key: str | None, extra: list[str]):
-        """`model` as given (for the record); the child gets its absolute path."""
+    def __init__(self, model: str, api_key: str | None, extra: list[str], repo: Path | None = None):
+        """`model` as given (for the record); the child gets its absolute path. `repo`: the
+        source tree whose m3lm serves (default: this one)."""
+        repo = Path(repo or REPO).resolve()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -93,11 +95,11 @@ class Server:
         argv[argv.index("--model") + 1] = str(Path(model).resolve())
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
         }
         self.log, path = tempfile.mkstemp(prefix="m3lm-serve-", suffix=".log")
         os.unlink(path)  # the open descriptor keeps the log until we close it
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=repo)
 
     def wait_healthy(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -435,6 +437,46 @@ def comparisons(a: argparse.Namespace, levels: list[int], rows: list[dict[str, s
     return "\n".join(lines)
 
 
+def builds_ab(a: argparse.Namespace, deadline: float) -> str:
+    """Each round, a fresh server of the baseline tree and one of this tree (the order alternating
+    from round to round), every concurrency level on each; the ratios of this build to the baseline."""
+    runs: dict[str, list[list[dict[str, str]]]] = {"baseline": [], "this build": []}
+    for i in range(a.rounds):
+        order = [("baseline", a.baseline), ("this build", REPO)]
+        for name, repo in order if i % 2 == 0 else order[::-1]:
+            server = Server(a.model, a.api_key, shlex.split(a.server_args), repo=repo)
+            try:
+                server.wait_healthy(deadline)
+                print(f"round {i + 1}: {name} ({repo})", flush=True)
+                runs[name].append(asyncio.run(bench(a, server.url, deadline)))
+            finally:
+                server.stop()
+
+    def figure(row: dict[str, str], key: str) -> float:
+        if key == "tok/s":
+            return float(row["output token throughput (tok/s)"])
+        return float(row[f"{key} mean / median / p99 (ms)"].split(" / ")[1])
+
+    lines = [
+        "| concurrency | figure | baseline (each round) | this build (each round) | this / baseline, medians | best rounds |",
+        "|---|---|---|---|---:|---:|",
+    ]
+    for j, c in enumerate(a.concurrency):
+        for key, higher in (("tok/s", True), ("TTFT", False), ("TPOT", False)):
+            base = [figure(r[j], key) for r in runs["baseline"]]
+            this = [figure(r[j], key) for r in runs["this build"]]
+            best = (max if higher else min)(this) / (max if higher else min)(base)
+            mid = percentile(this, 50) / percentile(base, 50)
+            label = "output tok/s" if key == "tok/s" else f"median {key} (ms)"
+            lines.append(
+                f"| {c} | {label} | {', '.join(f'{x:.1f}' for x in base)} | "
+                f"{', '.join(f'{x:.1f}' for x in this)} | {mid:.3f}x | {best:.3f}x |"
+            )
+    failed = sum(int(r[j]["failed requests"]) for v in runs.values() for r in v for j in range(len(r)))
+    lines.append(f"\nFailed requests over all runs: {failed}.")
+    return "\n".join(lines)
+
+
 def table(levels: list, rows: list[dict[str, str]]) -> str:
     head = "| concurrency | " + " | ".join(str(c) for c in levels) + " |"
     lines = [head, "|---|" + "---:|" * len(levels)]
@@ -527,7 +569,14 @@ def main() -> None:
         help="also run each level with this response_format: json_object, json_schema or a JSON object",
     )
     ap.add_argument(
-        "--rounds", type=int, default=2, help="with --response-format: runs of each variant per level"
+        "--rounds", type=int, default=2, help="with --response-format or --baseline: runs of each per level"
+    )
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="another source tree (an earlier build checked out): --rounds fresh servers of each, "
+        "alternated, and the ratios of this build to it (--model only)",
     )
     ap.add_argument("--out", type=Path, help="append a dated Markdown section to this file")
     a = ap.parse_args()
@@ -544,6 +593,25 @@ def main() -> None:
     command = shlex.join([*env, "python3", *argv])  # the API key is not written down
     deadline = time.monotonic() + a.timeout
     load = os.getloadavg()[0]
+    if a.baseline:
+        if not a.model or a.response_format or a.offline or a.kernel_decode:
+            ap.error("--baseline needs --model, without --response-format, --offline or --kernel-decode")
+        result = builds_ab(a, deadline)
+        print(result)
+        if a.out:
+            details = [
+                f"Servers: `python -m m3lm serve --model {a.model} {a.server_args}` from the baseline tree "
+                f"{a.baseline} and from this one, {a.rounds} fresh processes each, alternated; endpoint "
+                f"/v1/{a.endpoint.replace('chat', 'chat/completions')}, {a.num_requests} requests of "
+                f"{a.input_len} prompt tokens -> {a.output_len} output tokens (ignore_eos, temperature "
+                f"{a.temperature}), streamed",
+                f"Device: {device()}; Python {platform.python_version()}, torch {version('torch')} "
+                f"(client and server on the same machine; load average {load:.2f} at the start)",
+            ]
+            append_section(
+                a.out, "Online serving: this build against a baseline build", command, details, result
+            )
+        return
     server = None
     if a.model:
         server = Server(a.model, a.api_key, shlex.split(a.server_args))

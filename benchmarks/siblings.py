@@ -43,13 +43,13 @@ def run(model, ids: list[int], n: int, wait: bool) -> dict:
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     seqs = [engine.add_request(ids, params) for _ in range(n)]
-    first: dict[int, float] = {}
+    first: dict[str, float] = {}
     while engine.has_unfinished():
         for out in engine.step():
-            first.setdefault(out.seq.seq_id, time.perf_counter() - t0)
+            first.setdefault(out.request_id, time.perf_counter() - t0)
     end = time.perf_counter() - t0
     return {
-        "ttft": [first[s.seq_id] * 1e3 for s in seqs],
+        "ttft": [first[s.request_id] * 1e3 for s in seqs],
         "end": end * 1e3,
         "computed": computed,
         "outputs": [s.output_ids for s in seqs],

@@ -41,7 +41,8 @@ def cmd_list(_: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace):
     """(model, tokenizer, group or None); None on a follower rank under torchrun, which has
     already served rank 0's steps by the time it returns."""
-    from m3lm.distributed.launch import launch, under_torchrun
+    from m3lm.device import under_torchrun
+    from m3lm.distributed.launch import launch
     from m3lm.loader import load
     from m3lm.threads import use_threads
 
@@ -169,7 +170,7 @@ class ReplyPrinter:
     def for_prompt(cls, tokenizer, ids) -> ReplyPrinter:
         if ids is None:
             return cls()
-        from m3lm.server.reasoning import ReasoningParser, ReplyFormat, detect_thinking_mode
+        from m3lm.text.reasoning import ReasoningParser, ReplyFormat, detect_thinking_mode
 
         try:
             markers = ReplyFormat.from_tokenizer(tokenizer.hf).reasoning
@@ -178,7 +179,7 @@ class ReplyPrinter:
         return cls(ReasoningParser(markers, detect_thinking_mode(ids, markers)))
 
     def add(self, token_ids: list[int], text: str) -> None:
-        from m3lm.server.reasoning import Channel
+        from m3lm.text.reasoning import Channel
 
         channel = Channel.CONTENT
         if self.parser is not None:

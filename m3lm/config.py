@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from m3lm.errors import ConfigError
+from m3lm.errors import CheckpointError, ConfigError
 
 SESSION_CONTEXT = 32768  # `session_engine`'s default context, in tokens (`m3lm chat`'s)
 
@@ -438,3 +439,25 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization = {u!r} must be a number in (0, 1]")
         if self.msa_dense_window is not None and not self.msa_dense_window > 0:
             raise ConfigError(f"msa_dense_window = {self.msa_dense_window!r} must be > 0")
+
+
+LOCAL_ONLY = (
+    "m3lm reads a local checkpoint directory (config.json, safetensors, tokenizer) and never downloads"
+)
+
+
+def check_dir(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if not path.exists():
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+            raise CheckpointError(
+                f"model path {path} does not exist; if it names a model on a hub: {LOCAL_ONLY}, so "
+                "download it first and pass its directory"
+            )
+        raise CheckpointError(f"model path {path} does not exist ({LOCAL_ONLY})")
+    if not path.is_dir():
+        kind = "a GGUF file" if path.suffix.lower() == ".gguf" else "a file"
+        raise CheckpointError(f"model path {path} is {kind}: {LOCAL_ONLY}")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (not a model checkpoint directory)")
+    return path

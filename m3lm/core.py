@@ -1,11 +1,16 @@
-"""Plain types shared by the model, the caches and the engine."""
+"""Plain types shared by the model, the caches, the engine and the server.
+
+Importing this module imports no torch: the server process shares `SamplingParams`, `StepOutput`
+and the request checks, and runs no model.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class KVStore(Protocol):
@@ -61,6 +66,8 @@ class ForwardBatch:
     @classmethod
     def full(cls, batch: int, length: int, device: torch.device | str | None = None) -> ForwardBatch:
         """`batch` sequences of `length` tokens each, from position 0, no cache."""
+        import torch
+
         positions = torch.arange(length, device=device).repeat(batch)
         return cls(positions=positions, q_lens=[length] * batch)
 
@@ -82,6 +89,8 @@ class DecodeBatch:
 
     @classmethod
     def build(cls, positions: torch.Tensor, tables: torch.Tensor, cache, page_size: int) -> DecodeBatch:
+        import torch
+
         pages = tables.gather(1, (positions // page_size)[:, None])[:, 0].long()
         return cls(positions, (positions + 1).to(torch.int32), tables, pages, positions % page_size, cache)
 
@@ -229,3 +238,75 @@ class SamplingParams:
                     base[key] = gen[key]
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, best first
+    rank: int | None = None  # 1 for the most likely token (prompt logprobs carry it)
+
+
+@dataclass
+class StepOutput:
+    """What one request gained in one engine step. The engine fills the ids; the text layer
+    (`m3lm.text.TextStream`) fills the text."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    queued_s: float | None = None  # on a request's first output: its wait before it was scheduled
+    error: str | None = None  # why, when finish_reason is "error"
+    num_prefix_cached: int = 0  # prompt tokens found in the prefix cache
+    token_texts: list[str] | None = None  # new_text split by token, when there are several
+    # with SamplingParams.prompt_logprobs, on the request's first output: prompt tokens 1, 2, ...
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    def extend(self, later: StepOutput) -> StepOutput:
+        """This output followed by a later one of the same request, as one output."""
+        texts = (self.token_texts or [self.new_text]) + (later.token_texts or [later.new_text])
+        self.token_texts = texts
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.new_text += later.new_text
+        self.new_logprobs = self.new_logprobs + later.new_logprobs
+        self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
+        self.num_prefix_cached = later.num_prefix_cached
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        return self
+
+
+def check_prompt_length(n: int, max_model_len: int) -> None:
+    """Raise ValueError when a prompt of `n` tokens leaves no room for a generated one."""
+    if n >= max_model_len:
+        raise ValueError(
+            f"this model's maximum context length is {max_model_len} tokens and the prompt has "
+            f"{n}: the context holds {max_model_len} (prompt plus at least one generated token)"
+        )
+
+
+def validate_request(
+    prompt_ids: list[int], params: SamplingParams | None, max_model_len: int, vocab: int
+) -> None:
+    """Raise ValueError for an empty, too long or out-of-vocabulary prompt, or a logit bias or
+    stop token id outside the vocabulary."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    check_prompt_length(len(prompt_ids), max_model_len)
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    if params is None:
+        return
+    bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+    bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+    t = params.thinking if params else None
+    if t is not None and not (0 <= t.start_id < vocab and 0 <= t.end_id < vocab):
+        raise ValueError(f"thinking: marker ids must be inside the vocabulary [0, {vocab})")

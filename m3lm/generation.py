@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from m3lm.config import SESSION_CONTEXT, EngineConfig
-from m3lm.core import SamplingParams
+from m3lm.core import SamplingParams, StepOutput, TokenLogprob
 from m3lm.engine.engine import LLMEngine
-from m3lm.engine.sequence import TokenLogprob
 from m3lm.models.minimax_m3 import MiniMaxM3
+from m3lm.text.detokenize import TextStream
 
 
 @dataclass
@@ -104,20 +104,31 @@ def stream_generate(
     elif engine.has_unfinished():
         raise ValueError("the engine is running another request")
     seq = engine.add_request(ids, params)
+    texts = {seq.request_id: TextStream(tokenizer, params)} if tokenizer is not None else {}
     try:
-        while engine.has_unfinished():
-            for out in engine.step():
-                yield GenerationChunk(
-                    text=out.new_text,
-                    token_ids=out.new_token_ids,
-                    finish_reason=out.finish_reason,
-                    logprobs=out.new_logprobs,
-                    prompt_tokens=len(seq.prompt_ids),
-                    generation_tokens=len(seq.output_ids),
-                    cached_tokens=seq.num_prefix_cached,
-                )
+        for out in with_text(engine, texts):
+            yield GenerationChunk(
+                text=out.new_text,
+                token_ids=out.new_token_ids,
+                finish_reason=out.finish_reason,
+                logprobs=out.new_logprobs,
+                prompt_tokens=len(seq.prompt_ids),
+                generation_tokens=len(seq.output_ids),
+                cached_tokens=seq.num_prefix_cached,
+            )
     finally:  # a consumer that stops early (or an error) leaves a shared engine idle
         engine.abort(seq.request_id)
+
+
+def with_text(engine: LLMEngine, texts: dict[str, TextStream]) -> Iterator[StepOutput]:
+    """Step `engine` until it is idle, each output with its text (for the requests in `texts`);
+    a request a stop string ends is aborted in the engine then and there."""
+    while engine.has_unfinished():
+        for out in engine.step():
+            text = texts.get(out.request_id)
+            if text is not None and text.feed(out):
+                engine.abort(out.request_id)
+            yield out
 
 
 def session_engine(

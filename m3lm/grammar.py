@@ -9,7 +9,7 @@ Choices:
   as `json.dumps` writes it), so a model cannot pad an answer with whitespace without end; a schema
   is enforced strictly (nothing beyond what it names), whether or not the request said `strict`,
   as vLLM does. `json_object` is any JSON object.
-- M3's tool calls keep the model's own format: the namespaced XML of `server/tools.py`, built from
+- M3's tool calls keep the model's own format: the namespaced XML of `text/tool_calls.py`, built from
   xgrammar's `minimax_m3_xml` argument grammar inside a block laid out as the chat template lays
   it out (`m3_tool_calls`). The block is the end of the reply: nothing follows it.
 - Markers: a grammar written with strings would let the model spell the namespace marker

@@ -10,9 +10,12 @@ from typing import Any
 import torch
 
 from m3lm.config import EngineConfig
-from m3lm.core import SamplingParams
+from m3lm.core import SamplingParams, TokenLogprob
 from m3lm.engine.engine import LLMEngine
-from m3lm.engine.sequence import TokenLogprob
+from m3lm.generation import with_text
+from m3lm.text.detokenize import TextStream
+from m3lm.text.reasoning import ParsedReply, ReplyFormat, ReplyParser, detect_thinking_mode
+from m3lm.text.reply import ReplyText
 
 
 @dataclass
@@ -22,6 +25,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    # from `LLM.chat`, for a checkpoint with reasoning and tool-call markers: the reply split
+    # into reasoning, answer and tool calls (as the server splits it)
+    reply: ParsedReply | None = None
 
 
 @dataclass
@@ -89,7 +95,7 @@ class LLM:
             self.tokenizer.apply_chat_template(list(c), tools=tools, **(chat_template_kwargs or {}))
             for c in conversations
         ]
-        return self._run([None] * len(ids), ids, sampling_params)
+        return self._run([None] * len(ids), ids, sampling_params, tools=tools or [])
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -98,7 +104,8 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def _run(self, texts, ids, sampling_params) -> list[RequestOutput]:
+    def _run(self, texts_in, ids, sampling_params, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """`tools`: a chat's (None for plain prompts), whose replies are parsed."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(ids)
         else:
@@ -108,17 +115,44 @@ class LLM:
         for p in ids:
             self.engine.validate(p)
         seqs = [self.engine.add_request(p, sp) for p, sp in zip(ids, params, strict=True)]
-        while self.engine.has_unfinished():
-            self.engine.step()
+        tok = self.tokenizer
+        texts = {s.request_id: TextStream(tok, s.params) for s in seqs} if tok is not None else {}
+        outputs = {
+            s.request_id: CompletionOutput(0, "", [], None, [] if s.params.logprobs is not None else None)
+            for s in seqs
+        }
+        replies = self._replies(seqs, tools) if tools is not None else {}
+        for out in with_text(self.engine, texts):
+            if out.request_id in replies:
+                replies[out.request_id].events(out)
+            o = outputs[out.request_id]
+            o.text += out.new_text
+            o.token_ids += out.new_token_ids
+            if o.logprobs is not None:
+                o.logprobs += out.new_logprobs
+            o.finish_reason = out.finish_reason or o.finish_reason
+        for rid, reply in replies.items():
+            outputs[rid].reply = reply.parsed()
         return [
             RequestOutput(
                 request_id=s.request_id,
                 prompt=t,
                 prompt_token_ids=s.prompt_ids,
-                outputs=[
-                    CompletionOutput(0, s.text, list(s.output_ids), s.finish_reason, s.logprobs or None)
-                ],
+                outputs=[outputs[s.request_id]],
                 prompt_logprobs=None if s.params.prompt_logprobs is None else [None, *s.prompt_logprobs],
             )
-            for t, s in zip(texts, seqs, strict=True)
+            for t, s in zip(texts_in, seqs, strict=True)
         ]
+
+    def _replies(self, seqs, tools: list[dict]) -> dict[str, ReplyText]:
+        """A reply parser per chat request, when the checkpoint's tokenizer has the markers."""
+        try:
+            fmt = ReplyFormat.from_tokenizer(self.tokenizer.hf)
+        except ValueError:
+            return {}
+        return {
+            s.request_id: ReplyText(
+                ReplyParser(fmt, detect_thinking_mode(s.prompt_ids, fmt.reasoning), tools)
+            )
+            for s in seqs
+        }

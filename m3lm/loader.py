@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +24,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from m3lm.config import ModelArgs
+from m3lm.config import ModelArgs, check_dir
+from m3lm.device import resolve_device
 from m3lm.distributed.parallel import SINGLE, ParallelConfig
 from m3lm.distributed.shard import localize, mxfp8_split_errors, param_shard
 from m3lm.errors import CheckpointError
@@ -64,33 +64,6 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
     raise ValueError(f"unsupported dtype {dtype!r} (expected one of {sorted(DTYPES)})")
-
-
-def resolve_device(device: torch.device | str | None) -> torch.device:
-    """A torch device or its name (default cuda if available); m3lm runs on the CPU and NVIDIA
-    GPUs, and a device this machine lacks is a ValueError that says what to use instead."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(
-            f"device {str(device)!r} is not a device; use cuda, cuda:N (an NVIDIA GPU) or cpu"
-        ) from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"device {str(device)!r}: m3lm runs on NVIDIA GPUs (cuda) and the CPU; use --device cpu"
-        )
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        raise ValueError(
-            f"device {str(device)!r}: torch {torch.__version__} ({build}) sees no CUDA GPU; use --device cpu"
-        )
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(
-            f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
-        )
-    return dev
 
 
 def resolve_quant(quant: str | None, args: ModelArgs, device: torch.device) -> str | None:
@@ -137,28 +110,6 @@ def weight_files(path: Path) -> list[Path]:
             raise CheckpointError(f"{single} leads outside the model folder (to {single.resolve()})")
         return [single]
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
-
-
-LOCAL_ONLY = (
-    "m3lm reads a local checkpoint directory (config.json, safetensors, tokenizer) and never downloads"
-)
-
-
-def check_dir(path: str | Path) -> Path:
-    path = Path(path).expanduser()
-    if not path.exists():
-        if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
-            raise CheckpointError(
-                f"model path {path} does not exist; if it names a model on a hub: {LOCAL_ONLY}, so "
-                "download it first and pass its directory"
-            )
-        raise CheckpointError(f"model path {path} does not exist ({LOCAL_ONLY})")
-    if not path.is_dir():
-        kind = "a GGUF file" if path.suffix.lower() == ".gguf" else "a file"
-        raise CheckpointError(f"model path {path} is {kind}: {LOCAL_ONLY}")
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path}: no config.json (not a model checkpoint directory)")
-    return path
 
 
 def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:

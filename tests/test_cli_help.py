@@ -109,7 +109,7 @@ def test_generate_shows_reasoning_apart_from_the_answer():
 
 def test_the_reply_printer_puts_reasoning_and_answer_apart(capsys):
     from m3lm.cli import ReplyPrinter
-    from m3lm.server.reasoning import ReasoningMarkers, ReasoningParser, ThinkingMode
+    from m3lm.text.reasoning import ReasoningMarkers, ReasoningParser, ThinkingMode
 
     printer = ReplyPrinter(ReasoningParser(ReasoningMarkers(start_id=1, end_id=2), ThinkingMode.ENABLED))
     for ids, text in (([10], "Let me"), ([11], " think."), ([2], ""), ([12], "A cat"), ([13], " purrs.")):

@@ -166,6 +166,7 @@ def test_a_thread_hosted_engine_reports_its_warm_up_failure(checkpoint, monkeypa
     """Under torchrun the engine's loop runs on a thread of the server process: a warm-up that
     fails is a start failure with its message, as the engine process reports it."""
     import m3lm.engine.async_engine as ae
+    import m3lm.engine.engine_loop as loop
     from m3lm.config import EngineConfig
     from m3lm.engine.engine import LLMEngine
     from m3lm.loader import load
@@ -173,7 +174,7 @@ def test_a_thread_hosted_engine_reports_its_warm_up_failure(checkpoint, monkeypa
     def broken(engine):
         raise RuntimeError("no room for the decode graphs")
 
-    monkeypatch.setattr(ae, "warm_up_if_on", broken)
+    monkeypatch.setattr(loop, "warm_up_if_on", broken)
     model, tok = load(checkpoint, device="cpu")
     engine = ae.AsyncEngine(LLMEngine(model, tok, EngineConfig(max_model_len=256)))
     with pytest.raises(ae.EngineStartError, match="^no room for the decode graphs$"):

@@ -18,8 +18,8 @@ from m3lm.core import SamplingParams, StructuredOutput, ThinkingControl
 from m3lm.engine.constraints import Constraint, mask_logits
 from m3lm.engine.engine import LLMEngine
 from m3lm.grammar import M3Tokens, bind_markers, check, grammar, library_message, m3_tool_calls
-from m3lm.server.reasoning import ReplyFormat, ThinkingMode, parse_reply
-from m3lm.server.tools import ToolCallParser, parse_tool_calls
+from m3lm.text.reasoning import ReplyFormat, ThinkingMode, parse_reply
+from m3lm.text.tool_calls import ToolCallParser, parse_tool_calls
 
 STORY = Path(m3lm.__file__).parent / "assets" / "story"
 NS = "]<]minimax[>["

@@ -181,7 +181,7 @@ def test_nan_logits_fail_one_request_only(live):
 
 
 def test_detokenizer_fault_stops_only_its_request(live):
-    from m3lm.tokenizer import IncrementalDetokenizer
+    from m3lm.text.detokenize import IncrementalDetokenizer
 
     real = IncrementalDetokenizer.add
     calls = {"n": 0}
@@ -225,7 +225,7 @@ def test_detokenizer_fault_stops_only_its_request(live):
 
 
 def test_parser_fault_fails_only_its_request(live):
-    from m3lm.server import reasoning
+    from m3lm.text import reasoning
 
     real = reasoning.ReplyParser.feed
 

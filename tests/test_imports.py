@@ -5,6 +5,10 @@
 - No module of the package imports the package root (`import m3lm`, `from m3lm import NAME`):
   the root only re-exports, so a module imports a name from the module that defines it.
 - No `sys.path` edit in the package.
+- What the server process runs (`server/`, `text/`, the engine's client and messages, `core`)
+  imports, at module level, nothing that runs the model: no model, layer, kernel, cache,
+  scheduler, sampler, loader or engine-step module (those load in the engine process; a test over
+  a live server checks the process itself, `test_serve_lifecycle.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ from packaging.utils import canonicalize_name
 
 PACKAGE = Path(__file__).resolve().parents[1] / "m3lm"
 KERNELS_MAY_IMPORT = ("kernels", "core", "errors")  # under the package
+SERVER_SIDE = ("server", "text", "engine.async_engine", "engine.messages", "core", "grammar", "tokenizer")
+ENGINE_SIDE = (
+    "models", "layers", "kernels", "cache", "loader", "weight_copy", "scheduler", "sampler",
+    "engine.engine", "engine.engine_loop", "engine.runner", "engine.sequence", "engine.constraints",
+    "engine.cuda_graphs", "engine.warmup", "engine.memory", "distributed",
+)  # fmt: skip
 
 
 def module_files(root: Path = PACKAGE) -> dict[str, Path]:
@@ -52,6 +62,20 @@ def imports(tree: ast.AST, modules: dict[str, Path], pkg: str) -> list[tuple[str
         elif isinstance(node, ast.ImportFrom) and node.level > 0:
             out.append(("<relative>", node.lineno, False))
     return out
+
+
+def module_level(tree: ast.Module) -> ast.Module:
+    """The imports a module runs when it is imported: its top-level statements (not those in
+    functions, nor under `if`, where `TYPE_CHECKING` imports live)."""
+    body = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    body += [
+        n
+        for t in tree.body
+        if isinstance(t, ast.Try)
+        for n in t.body
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+    ]
+    return ast.Module(body=body, type_ignores=[])
 
 
 def sys_path_edits(tree: ast.AST) -> list[int]:
@@ -109,6 +133,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def contract_violations(root: Path = PACKAGE) -> list[str]:
     pkg = root.name
     kernels_may_import = tuple(f"{pkg}.{m}" for m in KERNELS_MAY_IMPORT)
+    server_side = tuple(f"{pkg}.{m}" for m in SERVER_SIDE)
+    engine_side = tuple(f"{pkg}.{m}" for m in ENGINE_SIDE)
     modules = module_files(root)
     graph: dict[str, set[str]] = {}
     bad = []
@@ -126,6 +152,10 @@ def contract_violations(root: Path = PACKAGE) -> list[str]:
                 bad.append(f"{where}:{line}: kernels/ imports {target} (only kernels, core, errors)")
             if target in modules and target != name:
                 graph[name].add(target)
+        if name.startswith(server_side):
+            for target, line, _ in imports(module_level(tree), modules, pkg):
+                if target.startswith(engine_side):
+                    bad.append(f"{where}:{line}: the server side imports {target} (it runs the model)")
         bad += [f"{where}:{line}: sys.path edit" for line in sys_path_edits(tree)]
     bad += ["import circle: " + " <-> ".join(c) for c in cycles(graph)]
     return bad
@@ -147,6 +177,10 @@ def test_the_package_keeps_its_import_contract():
         ({"a.py": "from p import thing\n"}, "imports the package root"),
         ({"a.py": "import sys\nsys.path.insert(0, 'x')\n"}, "sys.path edit"),
         ({"a.py": "from . import b\n", "b.py": ""}, "relative import"),
+        (
+            {"server/__init__.py": "", "server/s.py": "from p.engine.engine import LLMEngine\n"},
+            "the server side imports p.engine.engine",
+        ),
     ],
 )
 def test_the_contract_check_finds_each_kind_of_breach(tmp_path, files, expected):

@@ -42,3 +42,23 @@ def test_chat_and_per_prompt_params(path):
     assert outs[1].prompt_token_ids == ids
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["x"], params)
+
+
+@pytest.mark.parametrize("thinking", ["enabled", "disabled"])
+def test_chat_replies_are_split_as_the_server_splits_them(path, thinking):
+    """`LLM.chat` keeps each reply parsed (reasoning, answer, tool calls) by the text layer the
+    server uses: with thinking on, the prompt ends inside the reasoning, so a reply without the
+    closing marker is all reasoning; with it off, all answer."""
+    from m3lm.text.reasoning import ReplyFormat
+
+    llm = LLM(path, device="cpu")
+    conv = [{"role": "user", "content": "tell me a story"}]
+    params = m3lm.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    out = llm.chat(conv, params, chat_template_kwargs={"thinking_mode": thinking})[0]
+    tok, ids = llm.tokenizer, out.outputs[0].token_ids
+    assert not ReplyFormat.from_tokenizer(tok.hf).marker_ids & set(ids)  # one channel throughout
+    text = tok.decode(ids, skip_special_tokens=True)
+    reply = out.outputs[0].reply
+    assert text and (reply.reasoning, reply.content) == ((text, "") if thinking == "enabled" else ("", text))
+    assert reply.tool_calls == [] and out.outputs[0].text == text
+    assert llm.generate(out.prompt_token_ids, params)[0].outputs[0].reply is None  # plain prompts

@@ -14,16 +14,7 @@ from conftest import FIXTURES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from m3lm.server.parsers import (
-    ToolChoicePlan,
-    finish_reason,
-    missing_required_call,
-    parse_json_bounded,
-    plan_tool_choice,
-    template_messages,
-    type_value,
-)
-from m3lm.server.reasoning import (
+from m3lm.text.reasoning import (
     ReasoningMarkers,
     ReasoningParser,
     ReasoningText,
@@ -35,7 +26,16 @@ from m3lm.server.reasoning import (
     split_reasoning,
     to_openai_delta,
 )
-from m3lm.server.tools import (
+from m3lm.text.schema_values import (
+    ToolChoicePlan,
+    finish_reason,
+    missing_required_call,
+    parse_json_bounded,
+    plan_tool_choice,
+    template_messages,
+    type_value,
+)
+from m3lm.text.tool_calls import (
     ContentDelta,
     ToolCallArguments,
     ToolCallHeader,
@@ -309,7 +309,7 @@ def test_malformed_invokes_are_skipped_and_the_rest_parses(caplog):
         f'{NS}<invoke name="f">{el("a", "1")}',  # never closed before the next invoke
         f'{NS}<invoke name="f">{NS}<a>{NS}</a>{NS}</a>{NS}</invoke>',  # extra close
     ]
-    with caplog.at_level(logging.WARNING, logger="m3lm.server.tools"):
+    with caplog.at_level(logging.WARNING, logger="m3lm.text.tool_calls"):
         for b in bad:
             text = f"hi {NS}<tool_call>\n{b}\n{good}\n{NS}</tool_call> bye"
             assert parse(text, tools=TOOLS) == ("", "hi bye", [NOTIFY]), b

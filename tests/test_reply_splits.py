@@ -9,10 +9,11 @@ import json
 import pytest
 
 import m3lm
-from m3lm.engine.engine import StepOutput
+from m3lm.core import StepOutput
 from m3lm.server.choice import Choice
-from m3lm.server.reasoning import ReplyFormat, ReplyParser, ThinkingMode, parse_reply
-from m3lm.tokenizer import IncrementalDetokenizer, load_tokenizer
+from m3lm.text.detokenize import IncrementalDetokenizer
+from m3lm.text.reasoning import ReplyFormat, ReplyParser, ThinkingMode, parse_reply
+from m3lm.tokenizer import load_tokenizer
 
 NS = "]<]minimax[>["
 TOOLS = [
@@ -63,7 +64,7 @@ def engine_tokens(tok, text: str) -> list[tuple[int, str]]:
 
 def feed(fmt, tokens, cuts) -> tuple[list[dict], Choice]:
     """Deltas of one choice fed the tokens as outputs split at `cuts`."""
-    choice = Choice(0, ReplyParser(fmt, ThinkingMode.ADAPTIVE, TOOLS))
+    choice = Choice(index=0, parser=ReplyParser(fmt, ThinkingMode.ADAPTIVE, TOOLS))
     bounds = [0, *cuts, len(tokens)]
     deltas = []
     for a, b in itertools.pairwise(bounds):

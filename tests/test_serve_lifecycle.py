@@ -34,10 +34,12 @@ def free_port() -> int:
 class Serve:
     """`m3lm serve` on the embedded model, its output collected line by line as it comes."""
 
-    def __init__(self, *args: str, port: int | None = None):
+    def __init__(self, *args: str, port: int | None = None, modules_to: Path | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "m3lm", "serve", "--port", str(self.port), "--device", "cpu", *args]
+        # modules_to: on its way out, the server process writes the modules it imported there
+        head = ["-m", "m3lm"] if modules_to is None else ["-c", MODULES_ON_EXIT, str(modules_to)]
+        argv = [sys.executable, *head, "serve", "--port", str(self.port), "--device", "cpu", *args]
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
         )
@@ -86,6 +88,15 @@ class Serve:
         for pid in engines:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+MODULES_ON_EXIT = """
+import atexit, json, sys
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
+from m3lm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def _env() -> dict:
@@ -230,3 +241,59 @@ def test_a_device_this_machine_lacks_is_one_line_before_the_engine_starts(device
     lines = server.output.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"m3lm: error: device {device!r}"), lines
     assert lines[0].endswith(says), lines
+
+
+# What runs the model: the server process imports none of it (the engine process does).
+ENGINE_SIDE = (
+    "m3lm.models",
+    "m3lm.layers",
+    "m3lm.kernels",
+    "m3lm.cache",
+    "m3lm.loader",
+    "m3lm.weight_copy",
+    "m3lm.scheduler",
+    "m3lm.sampler",
+    "m3lm.engine.engine",
+    "m3lm.engine.engine_loop",
+    "m3lm.engine.runner",
+    "m3lm.engine.sequence",
+    "m3lm.engine.constraints",
+    "m3lm.engine.cuda_graphs",
+    "m3lm.engine.warmup",
+    "m3lm.engine.memory",
+    "m3lm.distributed",
+)
+
+
+def test_the_http_process_holds_no_model_cache_or_engine_step_module(tmp_path):
+    """Every API served, streamed and not, a structured output and a tool call: then the server
+    process's own modules hold the text layer and the engine's client, and nothing that runs
+    the model."""
+    import anthropic
+    import openai
+
+    modules = tmp_path / "modules.json"
+    server = Serve(modules_to=modules)
+    try:
+        server.wait_healthy()
+        oa = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        chat = [{"role": "user", "content": "Tell me a story."}]
+        assert oa.chat.completions.create(model="story", messages=chat, max_tokens=8).choices[0].message
+        assert list(oa.chat.completions.create(model="story", messages=chat, max_tokens=8, stream=True))
+        assert oa.completions.create(model="story", prompt="Once", max_tokens=8, logprobs=2).choices[0].text
+        assert oa.completions.create(model="story", prompt="Once", max_tokens=0, echo=True, logprobs=1)
+        json_reply = oa.chat.completions.create(
+            model="story", messages=chat, max_tokens=64, response_format={"type": "json_object"}
+        )
+        assert json_reply.choices[0].finish_reason in ("stop", "length")
+        assert oa.responses.create(model="story", input="Tell me a story.", max_output_tokens=8).output
+        ant = anthropic.Anthropic(base_url=server.url, api_key="none")
+        assert ant.messages.create(model="story", max_tokens=8, messages=chat).content is not None
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.finish() in (0, 143), server.output[-3000:]  # drained and stopped
+    finally:
+        server.kill()
+    loaded = json.loads(modules.read_text())
+    assert {"m3lm.engine.async_engine", "m3lm.text.detokenize", "m3lm.server.app"} <= set(loaded)
+    held = [m for m in loaded if m.startswith(ENGINE_SIDE)]
+    assert held == [], held

@@ -17,7 +17,8 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from m3lm import DEFAULT_MODEL
 from m3lm.errors import CheckpointError
-from m3lm.tokenizer import IncrementalDetokenizer, StopStrings, Tokenizer, load_tokenizer
+from m3lm.text.detokenize import IncrementalDetokenizer, StopStrings
+from m3lm.tokenizer import Tokenizer, load_tokenizer
 
 BOS, TURN, EOS, THINK, UNTHINK, STOP = "]~!b[", "]~b]", "[e~[", "<mm:think>", "</mm:think>", "<|stop|>"
 SPECIALS = [BOS, TURN, EOS, THINK, UNTHINK, STOP]

@@ -23,16 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from m3lm.device import under_torchrun
 from m3lm.distributed import steps
 from m3lm.distributed.parallel import ParallelConfig, init_group
 from m3lm.errors import ConfigError
 
 log = logging.getLogger("m3lm.distributed")
 COLLECTIVE_TIMEOUT_S = 600.0
-
-
-def under_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def free_port() -> int:

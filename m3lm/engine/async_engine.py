@@ -3,7 +3,9 @@
 The engine loop (`engine_loop.EngineLoop`) runs in its own process (`AsyncEngine.spawn`, what
 `m3lm serve` does) or on a thread (`AsyncEngine(llm_engine)`), and the two talk over ZeroMQ
 either way. Each engine step arrives as one message; a receiver thread hands it to the event
-loop in one call, where each request's new tokens are detokenized and checked for stop strings.
+loop in one call, where each request's new tokens become text (`m3lm.text`, as offline). This
+module imports none of the engine's own modules (the model, the caches, the step): the server
+process that uses it runs no model.
 Requests are validated and admitted synchronously (so the server can answer 400 or 503 before
 sending response headers). A consumer that stops listening (a disconnected client) aborts its
 request, which frees its pages at once.
@@ -23,16 +25,19 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import zmq
 
-from m3lm.core import SamplingParams
+from m3lm.core import SamplingParams, StepOutput, validate_request
 from m3lm.engine import messages as m
-from m3lm.engine.engine import LLMEngine, StepOutput, validate_request
-from m3lm.engine.engine_loop import EngineLoop, EngineSpec, engine_info, run_engine_process, warm_up_if_on
-from m3lm.engine.sequence import TokenLogprob
+from m3lm.engine.messages import EngineSpec
 from m3lm.errors import M3lmError
-from m3lm.threads import quiet_waits, use_threads
+from m3lm.text.detokenize import TextStream
+from m3lm.threads import quiet_waits
+
+if TYPE_CHECKING:
+    from m3lm.engine.engine import LLMEngine
 
 log = logging.getLogger("m3lm.engine")
 
@@ -76,11 +81,7 @@ class RequestStream:
         self.last_token_time: float | None = None
         self._items: collections.deque = collections.deque()
         self._ready = asyncio.Event()
-        self._text = None
-        if owner.tokenizer is not None:
-            from m3lm.tokenizer import OutputText
-
-            self._text = OutputText(owner.tokenizer, params)
+        self._text = TextStream(owner.tokenizer, params) if owner.tokenizer is not None else None
         self._done = False  # the consumer has had the last output
 
     async def next(self, timeout: float | None = None) -> StepOutput | None:
@@ -144,42 +145,21 @@ class RequestStream:
 
     def feed(self, out: m.Output, now: float) -> StepOutput:
         """Turn the engine's output into text (on the event loop) and queue it."""
-        ids, reason, texts = out.token_ids, out.finish_reason, []
-        for j, tid in enumerate(ids):
-            last = j == len(ids) - 1 and reason is not None
-            if self._text is None:
-                texts.append("")
-                continue
-            text, hit = self._text.add(tid, last and reason == "stop", last)
-            texts.append(text)
-            if hit:  # a stop string: the engine may already have made more; they are dropped
-                ids, reason = ids[: j + 1], "stop"
-                self.owner.abort(self.request_id)
-                break
-        lps = _token_logprobs(out.logprobs)[: len(ids)]
-        res = StepOutput(
-            out.request_id,
-            list(ids),
-            "".join(texts),
-            lps,
-            reason is not None,
-            reason,
-            error=out.error,
-            num_prefix_cached=out.num_prefix_cached,
-            token_texts=texts if len(texts) > 1 else None,
-            prompt_logprobs=None
-            if out.prompt_logprobs is None
-            else [TokenLogprob(t, lp, [tuple(x) for x in top], r) for t, lp, top, r in out.prompt_logprobs],
-        )
-        if ids:
+        res = m.step_output(out)
+        if self._text is not None and self._text.feed(res):
+            self.owner.abort(self.request_id)  # the engine may have made more: they are dropped
+        if res.new_token_ids:
             self.first_token_time = self.first_token_time or now
             self.last_token_time = now
         self._put(res)
         return res
 
 
-def _token_logprobs(wire) -> list[TokenLogprob]:
-    return [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in wire or ()]
+def _engine_process(spec: EngineSpec, in_addr: str, out_addr: str, parent_pid: int) -> None:
+    """The engine process's entry (named here, so that the server never imports the engine)."""
+    from m3lm.engine.engine_loop import run_engine_process
+
+    run_engine_process(spec, in_addr, out_addr, parent_pid)
 
 
 class AsyncEngine:
@@ -196,8 +176,6 @@ class AsyncEngine:
     ):
         self.engine = engine  # the in-process engine, when the loop runs on a thread
         self.tokenizer = tokenizer if engine is None else engine.tokenizer
-        if engine is not None:
-            engine.detokenize = False  # the server's side does it
         self.max_queue, self.cpu_threads = max_queue, cpu_threads
         # Without a message for `timeout_s` the engine counts as stalled; it beats 5 times as often.
         self.timeout_s = timeout_s
@@ -276,7 +254,7 @@ class AsyncEngine:
             quiet_waits()  # the engine process inherits it before it imports torch
             ctx = multiprocessing.get_context("spawn")
             self._proc = ctx.Process(
-                target=run_engine_process,
+                target=_engine_process,
                 args=(self._spec, self._in_addr, self._out_addr, os.getpid()),
                 name="m3lm-engine",
             )
@@ -307,6 +285,9 @@ class AsyncEngine:
         return self
 
     def _run_loop(self) -> None:
+        from m3lm.engine.engine_loop import EngineLoop, engine_info, warm_up_if_on
+        from m3lm.threads import use_threads
+
         engine = self.engine
         use_threads(engine.model, self.cpu_threads)
         loop = EngineLoop(engine, self._ctx, self._in_addr, self._out_addr, heartbeat_s=self.heartbeat_s)

@@ -1,7 +1,7 @@
-"""The engine loop: admit requests, schedule a step, run it, sample, detokenize, stop.
+"""The engine loop: admit requests, schedule a step, run it, sample, stop.
 
 `LLMEngine.step()` advances every running request by one scheduled chunk and returns what each
-request gained (new token ids and text) or that it finished. Everything that touches tensors is
+request gained (new token ids; text is the caller's, `m3lm.text`) or that it finished. Everything that touches tensors is
 in the runner and the sampler; the scheduler and block manager are pure Python.
 """
 
@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,12 +21,12 @@ from m3lm.cache.block_manager import BlockManager
 from m3lm.cache.kv_cache import KVCache
 from m3lm.cache.pool import PoolPlan, graph_reserve, plan_pool
 from m3lm.config import EngineConfig
-from m3lm.core import SamplingParams
+from m3lm.core import SamplingParams, StepOutput, TokenLogprob, validate_request
 from m3lm.distributed import steps
 from m3lm.engine.constraints import Constraint, Grammars, mask_logits
 from m3lm.engine.memory import peak_activation_bytes, profile_batches
 from m3lm.engine.runner import ModelRunner
-from m3lm.engine.sequence import Sequence, TokenLogprob
+from m3lm.engine.sequence import Sequence
 from m3lm.errors import ConfigError
 from m3lm.layers.linear import weight_bytes
 from m3lm.models.minimax_m3 import MiniMaxM3
@@ -63,34 +63,6 @@ class EngineInfo:
         )
 
 
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    seq: Sequence | None = None
-    error: str | None = None  # why, when finish_reason is "error"
-    num_prefix_cached: int = 0  # prompt tokens found in the prefix cache
-    token_texts: list[str] | None = None  # new_text split by token, when there are several
-    # with SamplingParams.prompt_logprobs, on the request's first output: prompt tokens 1, 2, ...
-    prompt_logprobs: list[TokenLogprob] | None = None
-
-    def extend(self, later: StepOutput) -> StepOutput:
-        """This output followed by a later one of the same request, as one output."""
-        texts = (self.token_texts or [self.new_text]) + (later.token_texts or [later.new_text])
-        self.token_texts = texts
-        self.new_token_ids = self.new_token_ids + later.new_token_ids
-        self.new_text += later.new_text
-        self.new_logprobs = self.new_logprobs + later.new_logprobs
-        self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
-        self.num_prefix_cached = later.num_prefix_cached
-        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
-        return self
-
-
 def eos_ids_of(tokenizer, generation_config: dict | None, extra=()) -> frozenset[int]:
     ids = set(getattr(tokenizer, "eos_token_ids", ()) or ()) | set(extra)
     eos = (generation_config or {}).get("eos_token_id")
@@ -112,7 +84,6 @@ class LLMEngine:
         engine has no tokenizer of its own); `grammar_tokenizer` loads the tokenizer structured
         output compiles its grammars against, when the engine has none (called when first needed)."""
         self.model, self.tokenizer = model, tokenizer
-        self.detokenize = tokenizer is not None  # off when the caller turns ids into text
         self.config = config = config or EngineConfig()
         self.generation_config = (
             generation_config if generation_config is not None else getattr(model, "generation_config", {})
@@ -252,10 +223,6 @@ class LLMEngine:
             max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
             generator=make_generator(params.seed, self.device),
         )
-        if self.detokenize:
-            from m3lm.tokenizer import OutputText
-
-            seq.text_state = OutputText(self.tokenizer, params)
         if params.structured is not None or params.thinking is not None:
             seq.constraint = self._constraint(params)
             if not seq.constraint.ready:
@@ -337,7 +304,7 @@ class LLMEngine:
                 continue
             try:
                 results.append(self._append(seq, token_ids[i], lps[i]))
-            except Exception as e:  # a fault in one request's text handling ends that request only
+            except Exception as e:  # a fault in one request's handling (its grammar) ends it only
                 results.append(self.fail(seq, f"{type(e).__name__}: {e}"))
         return results
 
@@ -346,7 +313,13 @@ class LLMEngine:
         seq.error = message
         self.scheduler.finish(seq, "error")
         self.requests.pop(seq.request_id, None)
-        return StepOutput(seq.request_id, finished=True, finish_reason="error", seq=seq, error=message)
+        return StepOutput(
+            seq.request_id,
+            finished=True,
+            finish_reason="error",
+            error=message,
+            queued_s=_queued(seq, not seq.output_ids),
+        )
 
     def _scored_only(self, seq: Sequence) -> StepOutput:
         """End a request whose prompt is scored and that generates nothing (max_tokens 0)."""
@@ -356,8 +329,8 @@ class LLMEngine:
             seq.request_id,
             finished=True,
             finish_reason="length",
-            seq=seq,
             prompt_logprobs=seq.prompt_logprobs,
+            queued_s=_queued(seq, True),
         )
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> StepOutput:
@@ -366,7 +339,9 @@ class LLMEngine:
         if seq.constraint is not None and not seq.constraint.accept(token):
             raise ValueError(f"structured output: the grammar refused token {token}")
         seq.output_ids.append(token)
-        res = StepOutput(seq.request_id, [token], seq=seq, num_prefix_cached=seq.num_prefix_cached)
+        res = StepOutput(
+            seq.request_id, [token], num_prefix_cached=seq.num_prefix_cached, queued_s=_queued(seq, first)
+        )
         if first and p.prompt_logprobs is not None:
             res.prompt_logprobs = seq.prompt_logprobs
         if lp is not None:
@@ -376,11 +351,6 @@ class LLMEngine:
         if seq.constraint is not None and seq.constraint.terminated:
             stop_token = True  # the grammar is complete (its stop token, or nothing can follow)
         reason = "stop" if stop_token else "length" if len(seq.output_ids) >= seq.max_tokens else None
-        if seq.text_state is not None:
-            text, hit = seq.text_state.add(token, stop_token, reason is not None)
-            reason = "stop" if hit else reason
-            res.new_text = text
-            seq.text += text
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)
@@ -388,37 +358,11 @@ class LLMEngine:
         return res
 
 
-def check_prompt_length(n: int, max_model_len: int) -> None:
-    """Raise ValueError when a prompt of `n` tokens leaves no room for a generated one."""
-    if n >= max_model_len:
-        raise ValueError(
-            f"this model's maximum context length is {max_model_len} tokens and the prompt has "
-            f"{n}: the context holds {max_model_len} (prompt plus at least one generated token)"
-        )
-
-
-def validate_request(
-    prompt_ids: list[int], params: SamplingParams | None, max_model_len: int, vocab: int
-) -> None:
-    """Raise ValueError for an empty, too long or out-of-vocabulary prompt, or a logit bias or
-    stop token id outside the vocabulary."""
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    check_prompt_length(len(prompt_ids), max_model_len)
-    bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-    if params is None:
-        return
-    bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
-    if bad is not None:
-        raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
-    bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-    if bad is not None:
-        raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-    t = params.thinking if params else None
-    if t is not None and not (0 <= t.start_id < vocab and 0 <= t.end_id < vocab):
-        raise ValueError(f"thinking: marker ids must be inside the vocabulary [0, {vocab})")
+def _queued(seq: Sequence, first: bool) -> float | None:
+    """A request's wait before it was first scheduled, on its first output."""
+    if not first or seq.first_scheduled_time is None:
+        return None
+    return seq.first_scheduled_time - seq.arrival
 
 
 def _free_bytes(device: torch.device) -> int | None:

@@ -1,6 +1,6 @@
 """The engine side of the server: requests in, one batch of outputs per step out, over ZeroMQ.
 
-`EngineLoop` drives an `LLMEngine` (no tokenizer: the server detokenizes) from `Add`/`Abort`
+`EngineLoop` drives an `LLMEngine` (no tokenizer: the server makes the text) from `Add`/`Abort`
 messages and sends one `Outputs` per step. It runs in its own process for `m3lm serve`
 (`run_engine_process`, which also loads the model), or on a thread of the server (tests,
 torchrun's rank 0). The server binds both sockets; the loop connects.
@@ -16,12 +16,13 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 import zmq
 
+from m3lm.core import StepOutput
 from m3lm.engine import messages as m
-from m3lm.engine.engine import LLMEngine, StepOutput
+from m3lm.engine.engine import LLMEngine
+from m3lm.engine.messages import EngineSpec
 from m3lm.threads import use_threads
 
 log = logging.getLogger("m3lm.engine")
@@ -57,14 +58,9 @@ def engine_stats(engine: LLMEngine) -> m.Stats:
 
 def to_message(out: StepOutput) -> m.Output:
     """The wire form of one request's step output (pure)."""
-    seq = out.seq
     lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs] if out.new_logprobs else None
     plps = out.prompt_logprobs
     plps = None if plps is None else [(lp.token_id, lp.logprob, lp.top, lp.rank) for lp in plps]
-    first = seq is not None and len(seq.output_ids) == len(out.new_token_ids)
-    queued = None
-    if first and seq.first_scheduled_time is not None:
-        queued = seq.first_scheduled_time - seq.arrival
     return m.Output(
         out.request_id,
         out.new_token_ids,
@@ -72,7 +68,7 @@ def to_message(out: StepOutput) -> m.Output:
         out.finish_reason,
         out.error,
         out.num_prefix_cached,
-        queued,
+        out.queued_s,
         plps,
     )
 
@@ -178,24 +174,6 @@ class EngineLoop:
             raise
         finally:
             self._stopped.set()
-
-
-@dataclass
-class EngineSpec:
-    """How the engine process builds its engine (pickled into the new process)."""
-
-    model_dir: str
-    device: str | None = None
-    dtype: str | None = None
-    quant: str = "auto"
-    load_format: str = "auto"
-    tensor_parallel_size: int = 1
-    expert_parallel: bool = False
-    engine_kwargs: dict = field(default_factory=dict)
-    eos_ids: tuple[int, ...] = ()  # the tokenizer's, which the engine process does not load
-    log_level: int = logging.INFO
-    threads: int | None = None  # torch's CPU threads (`m3lm.threads.use_threads`)
-    heartbeat_s: float | None = None  # the heartbeat's interval (None: no heartbeat)
 
 
 def build_engine(spec: EngineSpec):

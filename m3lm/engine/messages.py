@@ -2,14 +2,36 @@
 
 The server sends `Add` and `Abort`; the engine answers once with `Ready` (or `Failed`), then
 sends one `Outputs` per step holding every request's new tokens, a `Heartbeat` at a fixed
-interval, and `Dead` if it stops on a fault. Token text is not in them: the server detokenizes.
+interval, and `Dead` if it stops on a fault. Token text is not in them: the server makes it
+(`m3lm.text`). `EngineSpec` is what the engine process is started with.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
+
 import msgspec
 
-from m3lm.core import SamplingParams
+from m3lm.core import SamplingParams, StepOutput, TokenLogprob
+
+
+@dataclass
+class EngineSpec:
+    """How the engine process builds its engine (pickled into the new process)."""
+
+    model_dir: str
+    device: str | None = None
+    dtype: str | None = None
+    quant: str = "auto"
+    load_format: str = "auto"
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
+    engine_kwargs: dict = field(default_factory=dict)
+    eos_ids: tuple[int, ...] = ()  # the tokenizer's, which the engine process does not load
+    log_level: int = logging.INFO
+    threads: int | None = None  # torch's CPU threads (`m3lm.threads.use_threads`)
+    heartbeat_s: float | None = None  # the heartbeat's interval (None: no heartbeat)
 
 
 class ReadyInfo(msgspec.Struct, frozen=True):
@@ -114,6 +136,23 @@ def encode_checked(msg: ToEngine) -> bytes:
     except (OverflowError, TypeError, ValueError, msgspec.MsgspecError) as e:
         raise ValueError(f"the request cannot be passed to the engine: {e}") from None
     return data
+
+
+def step_output(out: Output) -> StepOutput:
+    """The engine's output as the text layer takes it (ids only; no text yet)."""
+    plps = out.prompt_logprobs
+    return StepOutput(
+        out.request_id,
+        list(out.token_ids),
+        new_logprobs=[TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in out.logprobs or ()],
+        finished=out.finish_reason is not None,
+        finish_reason=out.finish_reason,
+        error=out.error,
+        num_prefix_cached=out.num_prefix_cached,
+        prompt_logprobs=None
+        if plps is None
+        else [TokenLogprob(t, lp, [tuple(x) for x in top], r) for t, lp, top, r in plps],
+    )
 
 
 def decode_to_engine(data: bytes) -> ToEngine:

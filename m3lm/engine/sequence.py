@@ -1,4 +1,4 @@
-"""A request as the engine tracks it: token ids, cache progress, text state, finish reason."""
+"""A request as the engine tracks it: token ids, cache progress, finish reason."""
 
 from __future__ import annotations
 
@@ -8,21 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from m3lm.core import SamplingParams
+from m3lm.core import SamplingParams, TokenLogprob
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the most likely alternatives, best first
-    rank: int | None = None  # 1 for the most likely token (prompt logprobs carry it)
 
 
 @dataclass(eq=False)
@@ -41,13 +33,11 @@ class Sequence:
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1, 2, ...
-    text: str = ""  # emitted text so far (stop strings removed)
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
-    text_state: object = None  # OutputText, when the engine detokenizes
     constraint: object = None  # constraints.Constraint, for structured output or a thinking budget
 
     @property

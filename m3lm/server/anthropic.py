@@ -54,8 +54,8 @@ from m3lm.server.handlers import (
     reply_events,
 )
 from m3lm.server.protocol import ChatCompletionRequest, _Body, anthropic_error_body
-from m3lm.server.reasoning import ReasoningText, ReplyEvent
-from m3lm.server.tools import ToolCallArguments, ToolCallHeader
+from m3lm.text.reasoning import ReasoningText, ReplyEvent
+from m3lm.text.tool_calls import ToolCallArguments, ToolCallHeader
 
 _json = msgspec.json.Encoder().encode
 log = logging.getLogger("m3lm.server")

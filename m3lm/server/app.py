@@ -30,10 +30,11 @@ from m3lm.engine.async_engine import AsyncEngine
 from m3lm.errors import M3lmError
 from m3lm.server import anthropic, responses, web
 from m3lm.server.asgi import ApiKeyAuth, DrainingServer, JsonErrors, RequestLimits, guarded_h11
-from m3lm.server.handlers import ApiError, ServerState, chat_completion, completion
+from m3lm.server.chat_completions import chat_completion
+from m3lm.server.completions import completion
+from m3lm.server.handlers import ApiError, ServerState
 from m3lm.server.lifecycle import bind, stop_on_signals
 from m3lm.server.metrics import Metrics
-from m3lm.server.parsers import template_messages
 from m3lm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,7 +45,8 @@ from m3lm.server.protocol import (
     documented_errors,
     error_body_for,
 )
-from m3lm.server.reasoning import ReplyFormat
+from m3lm.text.reasoning import ReplyFormat
+from m3lm.text.schema_values import template_messages
 
 log = logging.getLogger("m3lm.server")
 # uvicorn refuses larger header blocks itself (with a 400); below that RequestLimits answers 431.
@@ -335,11 +337,9 @@ def serve(
     the process that runs the model (`m3lm.threads`); `web_ui`: the chat page at /;
     `engine_kwargs`: EngineConfig fields.
     """
-    from m3lm.config import EngineConfig
-    from m3lm.distributed.launch import launch, under_torchrun
-    from m3lm.engine.engine import LLMEngine
-    from m3lm.engine.engine_loop import EngineSpec
-    from m3lm.loader import check_dir, resolve_device
+    from m3lm.config import EngineConfig, check_dir
+    from m3lm.device import resolve_device, under_torchrun
+    from m3lm.engine.messages import EngineSpec
     from m3lm.tokenizer import load_tokenizer
 
     limits = room_for_connections(limits or Limits())
@@ -352,6 +352,9 @@ def serve(
             raise ValueError("--skip-tokenizer-init is not supported under torchrun")
         # rank 0 holds the port from the start; the other ranks follow its steps and serve nothing
         sock = bind(host, port) if os.environ.get("RANK", "0") == "0" else None
+        from m3lm.distributed.launch import launch
+        from m3lm.engine.engine import LLMEngine  # this process is the engine too: rank 0
+
         with stop_on_signals(), _closed_on_error(sock):
             loaded = launch(model_dir, tensor_parallel_size, expert_parallel, device, dtype, quant=quant)
         if loaded is None:  # a follower rank: rank 0 has stopped

@@ -1,103 +1,37 @@
-"""The text state of one choice of a reply: reasoning and tool-call parsing, answer-only stop
-strings, logprobs, and the usage and logprob objects of the OpenAI responses."""
+"""One choice of an OpenAI reply (its text is `m3lm.text.reply.ReplyText`'s), and the usage and
+logprob objects of the OpenAI responses."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from m3lm.engine.engine import StepOutput
-from m3lm.engine.sequence import TokenLogprob
-from m3lm.server.parsers import finish_reason
-from m3lm.server.reasoning import ReasoningText, ReplyEvent, ReplyParser, to_openai_delta
-from m3lm.server.tools import ContentDelta
+from m3lm.core import StepOutput, TokenLogprob
+from m3lm.text.reasoning import ReplyEvent, to_openai_delta
+from m3lm.text.reply import ReplyText
 
 
 @dataclass
-class Choice:
-    """Text state of one choice: reply parsing, answer-only stop strings, logprobs."""
+class Choice(ReplyText):
+    """One choice of an OpenAI reply: its text (`ReplyText`), logprobs, echo and cached tokens."""
 
-    index: int
-    parser: ReplyParser | None
-    stops: Any = None
-    content: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    tokens: int = 0
-    reasoning_tokens: int = 0  # of `tokens`, those inside the reasoning (its markers included)
-    token_ids: list[int] = field(default_factory=list)
+    index: int = 0
     logprobs: list[dict] = field(default_factory=list)
-    finish: str | None = None
-    stopped_by_string: bool = False
     cached: int = 0  # prompt tokens found in the prefix cache
     prompt_ids: list[int] | None = None
     echo: str | None = None  # the prompt's text, to come before the reply (completions' echo)
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1, 2, ..., when scored
     offset: int = 0  # text_offset of the next logprob entry (streaming)
 
+    def events(self, out: StepOutput) -> list[ReplyEvent]:
+        self.cached = out.num_prefix_cached
+        return super().events(out)
+
     def consume(self, out: StepOutput) -> list[dict]:
         """OpenAI deltas for one engine output (each delta is one kind only)."""
         return [to_openai_delta(ev) for ev in self.events(out)]
 
-    def events(self, out: StepOutput) -> list[ReplyEvent]:
-        """The typed reply events of one engine output, after the answer's stop strings; the
-        translation layers of each API make their own wire format of these."""
-        self.tokens += len(out.new_token_ids)
-        self.token_ids += out.new_token_ids
-        self.cached = out.num_prefix_cached
-        if self.parser is None:
-            parsed: list[ReplyEvent] = [ContentDelta(out.new_text)] if out.new_text else []
-        else:
-            parsed = []
-            texts = out.token_texts or [""] * (len(out.new_token_ids) - 1) + [out.new_text]
-            for tid, text in zip(out.new_token_ids, texts, strict=True):
-                was = self.parser.reasoning.in_reasoning
-                parsed += self.parser.feed(tid, text)
-                self.reasoning_tokens += was or self.parser.reasoning.in_reasoning
-            if out.finished:
-                parsed += self.parser.finish()
-        events: list[ReplyEvent] = []
-        for ev in parsed:
-            if isinstance(ev, ContentDelta) and self.stops is not None:
-                text, hit = self.stops.feed(ev.text)
-                if hit:
-                    self.stopped_by_string = True
-                if text:
-                    events.append(ContentDelta(text))
-                if hit:
-                    break
-                continue
-            events.append(ev)
-        if (
-            out.finished
-            and self.stops is not None
-            and not self.stopped_by_string
-            and (rest := self.stops.flush())
-        ):
-            events.append(ContentDelta(rest))
-        for ev in events:
-            if isinstance(ev, ContentDelta):
-                self.content.append(ev.text)
-            elif isinstance(ev, ReasoningText):
-                self.reasoning.append(ev.text)
-        if self.stopped_by_string:
-            self.finish = "stop"
-        elif out.finished:
-            self.finish = finish_reason(
-                self.parser.tool_calls if self.parser else [], out.finish_reason or "stop"
-            )
-        return events
-
     def message(self) -> dict:
-        calls = self.parser.tool_calls if self.parser else []
-        msg: dict[str, Any] = {
-            "role": "assistant",
-            "content": "".join(self.content) or (None if calls else ""),
-        }
-        if self.reasoning:
-            msg["reasoning_content"] = msg["reasoning"] = "".join(self.reasoning)
-        if calls:
-            msg["tool_calls"] = [c.to_openai() for c in calls]
-        return msg
+        return self.parsed().message()
 
 
 def _token_text(tokenizer, tid: int) -> str:

@@ -1,16 +1,16 @@
-"""Chat and text completions: admission, then streamed (SSE) or whole responses.
+"""What every API shares: admission into `Slots`, the chat pipeline, merged streams, SSE.
 
 Admission (validation, the queue) is decided before any response header is sent, so a stream
-never starts with 200 and then fails for capacity. Reasoning and tool calls are split from the
-answer on token ids (`ReplyParser`); in chat, stop strings apply to the answer only.
+never starts with 200 and then fails for capacity. Every API that speaks in messages comes
+through `prepare_chat` and `admit_chat`; reasoning and tool calls are split from the answer on
+token ids (`ReplyParser`), and in chat, stop strings apply to the answer only. Each API writes
+its own replies: `chat_completions`, `completions`, `responses`, `anthropic`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from m3lm.core import SamplingParams
+from m3lm.core import SamplingParams, StepOutput
 from m3lm.engine.async_engine import (
     AsyncEngine,
     EngineDead,
@@ -28,20 +28,16 @@ from m3lm.engine.async_engine import (
     QueueFull,
     RequestStream,
 )
-from m3lm.engine.engine import StepOutput, check_prompt_length
 from m3lm.server.choice import (
     Choice,
-    completion_logprobs,
-    echo_logprobs,
-    token_logprobs,
-    usage,
     vllm_prompt_logprobs,
 )
 from m3lm.server.metrics import Metrics
-from m3lm.server.parsers import ToolChoicePlan, plan_tool_choice, template_messages
-from m3lm.server.protocol import ChatCompletionRequest, CompletionRequest, Limits, error_body, error_body_for
-from m3lm.server.reasoning import ReplyEvent, ReplyFormat, ReplyParser, detect_thinking_mode
-from m3lm.server.structured import chat_rules, completion_rules
+from m3lm.server.protocol import ChatCompletionRequest, Limits, error_body, error_body_for
+from m3lm.server.structured import chat_rules
+from m3lm.text.detokenize import StopStrings
+from m3lm.text.reasoning import ReplyEvent, ReplyFormat, ReplyParser, detect_thinking_mode
+from m3lm.text.schema_values import ToolChoicePlan, plan_tool_choice, template_messages
 
 _json = msgspec.json.Encoder().encode
 log = logging.getLogger("m3lm.server")
@@ -263,17 +259,15 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request: 
 def admit_chat(state: ServerState, prompt: ChatPrompt) -> tuple[Slots, list[Choice]]:
     """Admit a prepared chat request (or refuse it whole): its slots and one Choice each. The
     caller owns the slots from here (`Slots`)."""
-    from m3lm.tokenizer import StopStrings
-
     slots = Slots(state)
     try:
         slots.add(prompt.ids, prompt.params, prompt.n)
         mode = detect_thinking_mode(prompt.ids, state.fmt.reasoning) if state.fmt else None
         choices = [
             Choice(
-                i,
-                ReplyParser(state.fmt, mode, prompt.tools, prompt.plan) if state.fmt else None,
-                StopStrings(prompt.stops) if prompt.stops else None,
+                index=i,
+                parser=ReplyParser(state.fmt, mode, prompt.tools, prompt.plan) if state.fmt else None,
+                stops=StopStrings(prompt.stops) if prompt.stops else None,
             )
             for i in range(prompt.n)
         ]
@@ -281,16 +275,6 @@ def admit_chat(state: ServerState, prompt: ChatPrompt) -> tuple[Slots, list[Choi
         slots.release()
         raise
     return slots, choices
-
-
-async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
-    prompt = await prepare_chat(state, req, request)
-    slots, choices = admit_chat(state, prompt)
-    try:
-        return await _respond(state, req, request, slots, choices, len(prompt.ids), chat=True)
-    except BaseException:
-        slots.release()
-        raise
 
 
 async def reply_events(
@@ -309,7 +293,7 @@ async def reply_events(
             c = choices[i]
             if c.finish is not None:
                 continue
-            _check(out)
+            check_output(out)
             evs = c.events(out)
             if c.stopped_by_string:
                 streams[i].abort(completed=True)
@@ -324,115 +308,9 @@ async def reply_events(
         c.finish = c.finish or "abort"
 
 
-async def completion(state: ServerState, req: CompletionRequest, request: Request):
-    tok = state.tokenizer
-    try:
-        req.check_limits(state.limits)
-        req.cache_salt = tenant_salt(state, request, req.cache_salt)
-        prompts = req.prompts()
-        if len(prompts) * req.n > state.limits.max_n:
-            raise ValueError(
-                f"{len(prompts)} prompts x n = {req.n} exceed the limit of {state.limits.max_n} choices"
-            )
-        ids = []
-        for p in prompts:
-            if isinstance(p, str):
-                if tok is None:
-                    raise ValueError("this model has no tokenizer; send token ids")
-                tok.check_fits(p, state.max_prompt_tokens)
-                p = await run_in_threadpool(tok.encode, p)
-            else:  # before any copy of a long list
-                check_prompt_length(len(p), state.max_model_len)
-            ids.append(list(p))
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        params = req.sampling(
-            state.defaults, max_tokens, req.logprobs, req.stops(), prompt_logprobs=req.scored_prompt()
-        )
-        if req.response_format is not None or req.structured_outputs is not None:
-            if tok is None:
-                raise ValueError("structured output needs the model's tokenizer")
-            params = replace(params, structured=await run_in_threadpool(completion_rules, req))
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
-    slots = Slots(state)
-    try:
-        for p in ids:
-            slots.add(p, params, req.n)
-        # echo: the prompt's text as given, or as its ids decode (admitted: ids in the vocabulary)
-        echoes = (
-            [p if isinstance(p, str) else tok.decode(p) if tok else "" for p in prompts] if req.echo else None
-        )
-        choices = [
-            Choice(i, None, prompt_ids=ids[i // req.n], echo=echoes[i // req.n] if echoes else None)
-            for i in range(len(slots.streams))
-        ]
-        return await _respond(state, req, request, slots, choices, sum(len(p) for p in ids), chat=False)
-    except BaseException:
-        slots.release()
-        raise
-
-
-async def _respond(state, req, request, slots: Slots, choices, prompt_tokens, chat: bool):
-    """The reply: a stream that takes the slots over, or a whole reply collected here."""
-    streams = slots.streams
-    rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-    created = int(time.time())
-    # token ids in the reply: asked for, or the only form of the output when there is no tokenizer
-    ids = not chat and (req.return_token_ids or state.tokenizer is None)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(state, rid, created, streams, choices, prompt_tokens, chat, include_usage, req.n, ids)
-        return owning_stream(body, slots)
-    try:
-        await collect_unless_gone(request, _collect(state, streams, choices))
-    finally:
-        slots.release()
-    totals = usage(prompt_tokens, choices, req.n)
-    if chat:
-        body = [
-            {
-                "index": c.index,
-                "message": c.message(),
-                "logprobs": {"content": c.logprobs} if c.logprobs else None,
-                "finish_reason": c.finish,
-                **_prompt_logprobs_field(state, req, c),
-            }
-            for c in choices
-        ]
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": state.model_name,
-            "choices": body,
-            "usage": totals,
-        }
-    body = [
-        {
-            "index": c.index,
-            "text": (c.echo or "") + "".join(c.content),
-            "logprobs": completion_logprobs(
-                (echo_logprobs(state.tokenizer, c) if req.echo and req.logprobs is not None else [])
-                + c.logprobs
-            ),
-            "finish_reason": c.finish,
-            **({"token_ids": c.token_ids} if ids else {}),
-            **_prompt_logprobs_field(state, req, c),
-        }
-        for c in choices
-    ]
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": state.model_name,
-        "choices": body,
-        "usage": totals,
-    }
-
-
 async def collect_unless_gone(request: Request, collect) -> None:
-    """Run `collect` unless the client disconnects first (the caller then releases the slots)."""
+    """Run `collect` unless the client disconnects first (the caller then releases the slots);
+    the engine's failures become the API's errors."""
     task = asyncio.ensure_future(collect)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -444,7 +322,12 @@ async def collect_unless_gone(request: Request, collect) -> None:
             task.cancel()
     if left:
         raise ApiError(499, "client disconnected")
-    task.result()
+    try:
+        task.result()
+    except EngineDead as e:
+        raise ApiError(500, f"the engine stopped: {e}", "internal_error") from None
+    except Interrupted as e:  # stalled, or the server is shutting down
+        raise ApiError(503, str(e), "service_unavailable") from None
 
 
 async def _disconnected(request: Request) -> None:
@@ -453,115 +336,38 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(state: ServerState, streams: list[RequestStream], choices: list[Choice]) -> None:
-    try:
-        async for i, out in merge(streams):  # type: ignore[misc]  # no tick: never None
-            _check(out)
-            c = choices[i]
-            c.consume(out)
-            if state.tokenizer is not None and out.new_logprobs:
-                c.logprobs += token_logprobs(state.tokenizer, out)
-            c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
-            if c.stopped_by_string:
-                streams[i].abort(completed=True)
-    except EngineDead as e:
-        raise ApiError(500, f"the engine stopped: {e}", "internal_error") from None
-    except Interrupted as e:
-        raise ApiError(503, str(e), "service_unavailable") from None
-    for c in choices:
-        c.finish = c.finish or "abort"
-
-
-def _prompt_logprobs_field(state: ServerState, req, c: Choice) -> dict:
+def prompt_logprobs_field(state: ServerState, req, c: Choice) -> dict:
     """vLLM's `prompt_logprobs` of a choice, when the request asked for it."""
     if req.prompt_logprobs is None:
         return {}
     return {"prompt_logprobs": vllm_prompt_logprobs(state.tokenizer, c, req.prompt_logprobs)}
 
 
-def _check(out: StepOutput) -> None:
+def check_output(out: StepOutput) -> None:
     if out.finish_reason == "error":
         detail = out.error or "unknown error"
         raise ApiError(500, f"generation failed: {detail}", "internal_error")
 
 
-def _sse(obj: dict) -> bytes:
+def sse(obj: dict) -> bytes:
     return b"data: " + _json(obj) + b"\n\n"
 
 
-async def _stream(
-    state, rid, created, streams, choices, prompt_tokens, chat, include_usage, per_prompt, ids=False
-) -> AsyncIterator[bytes]:
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(index: int, payload: dict, finish: str | None = None) -> str:
-        body = {"index": index, **payload, "logprobs": payload.pop("logprobs", None), "finish_reason": finish}
-        return _sse(
-            {
-                "id": rid,
-                "object": kind,
-                "created": created,
-                "model": state.model_name,
-                "choices": [body],
-                "usage": None,
-            }
-        )
-
-    if chat:
-        for c in choices:
-            yield chunk(c.index, {"delta": {"role": "assistant", "content": ""}})
-    events = merge(streams, state.limits.keepalive_s)
+async def openai_sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An OpenAI event stream: `events`, then `[DONE]`; a failure on the way is an error event
+    before the end, so a client always sees why a stream stopped."""
     try:
-        async for event in events:
-            if event is None:
-                yield b": keep-alive\n\n"
-                continue
-            i, out = event
-            c = choices[i]
-            if c.finish is not None:
-                continue
-            _check(out)
-            if c.echo is not None:  # the prompt first: its text, and its tokens' logprobs if asked
-                c.prompt_logprobs = out.prompt_logprobs
-                head = echo_logprobs(state.tokenizer, c) if c.prompt_logprobs is not None else []
-                extra = {"logprobs": completion_logprobs(head, c.offset)} if head else {}
-                c.offset += sum(len(e["token"]) for e in head)
-                yield chunk(i, {"text": c.echo, **extra})
-                c.echo = None
-            lps = token_logprobs(state.tokenizer, out) if out.new_logprobs else []
-            deltas = c.consume(out)
-            if (lps or (ids and out.new_token_ids)) and not deltas:
-                deltas = [{}] if chat else [{"content": ""}]
-            for j, d in enumerate(deltas):
-                extra = {"token_ids": out.new_token_ids} if ids and j == 0 else {}
-                if lps and j == 0:
-                    extra["logprobs"] = {"content": lps} if chat else completion_logprobs(lps, c.offset)
-                    c.offset += sum(len(e["token"]) for e in lps)
-                yield chunk(i, {"delta": d, **extra} if chat else {"text": d.get("content", ""), **extra})
-            if c.stopped_by_string:
-                streams[i].abort(completed=True)
-            if c.finish is not None:
-                yield chunk(i, {"delta": {}} if chat else {"text": ""}, c.finish)
-        if include_usage:
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": kind,
-                    "created": created,
-                    "model": state.model_name,
-                    "choices": [],
-                    "usage": usage(prompt_tokens, choices, per_prompt),
-                }
-            )
+        async for data in events:
+            yield data
     except ApiError as e:
-        yield _sse(error_body(e.message, e.type, code=e.status))
+        yield sse(error_body(e.message, e.type, code=e.status))
     except EngineDead as e:
-        yield _sse(error_body(f"the engine stopped: {e}", "internal_error", code=500))
+        yield sse(error_body(f"the engine stopped: {e}", "internal_error", code=500))
     except Interrupted as e:
-        yield _sse(error_body(str(e), "service_unavailable", code=503))
+        yield sse(error_body(str(e), "service_unavailable", code=503))
     except Exception as e:  # a fault of ours: the client still gets an error event and the end
         log.exception("a stream failed")
-        yield _sse(error_body(f"internal error: {type(e).__name__}", "internal_error", code=500))
+        yield sse(error_body(f"internal error: {type(e).__name__}", "internal_error", code=500))
     finally:
         await events.aclose()
     yield b"data: [DONE]\n\n"

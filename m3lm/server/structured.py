@@ -24,8 +24,8 @@ from typing import Any
 
 from m3lm.core import StructuredOutput, ThinkingControl
 from m3lm.grammar import M3Tokens, check, grammar, m3_tool_calls
-from m3lm.server.parsers import ToolChoicePlan
-from m3lm.server.reasoning import ReplyFormat, ThinkingMode
+from m3lm.text.reasoning import ReplyFormat, ThinkingMode
+from m3lm.text.schema_values import ToolChoicePlan
 
 _VLLM_KINDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 

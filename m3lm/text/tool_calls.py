@@ -36,7 +36,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from m3lm.server.parsers import MAX_DEPTH, child_schema, new_call_id, schema_types, tool_schemas, type_value
+from m3lm.text.schema_values import (
+    MAX_DEPTH,
+    child_schema,
+    new_call_id,
+    schema_types,
+    tool_schemas,
+    type_value,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from m3lm.server.parsers import ToolChoicePlan, plan_tool_choice
-from m3lm.server.tools import (
+from m3lm.text.schema_values import ToolChoicePlan, plan_tool_choice
+from m3lm.text.tool_calls import (
     ContentDelta,
     ToolCall,
     ToolCallArguments,
