@@ -437,6 +437,24 @@ def comparisons(a: argparse.Namespace, levels: list[int], rows: list[dict[str, s
     return "\n".join(lines)
 
 
+def commit(tree: Path) -> str:
+    """The tree's git commit (with "+ changes" when its files differ from it), if it is a checkout."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return "not a git checkout"
+    if head.returncode:
+        return "not a git checkout"
+    return f"commit {head.stdout.strip()}" + (" + changes" if dirty.stdout.strip() else "")
+
+
 def builds_ab(a: argparse.Namespace, deadline: float) -> str:
     """Each round, a fresh server of the baseline tree and one of this tree (the order alternating
     from round to round), every concurrency level on each; the ratios of this build to the baseline."""
@@ -600,8 +618,9 @@ def main() -> None:
         print(result)
         if a.out:
             details = [
-                f"Servers: `python -m m3lm serve --model {a.model} {a.server_args}` from the baseline tree "
-                f"{a.baseline} and from this one, {a.rounds} fresh processes each, alternated; endpoint "
+                f"Servers: `{shlex.join(['python', '-m', 'm3lm', 'serve', '--model', a.model, *shlex.split(a.server_args)])}` "
+                f"from the baseline tree {a.baseline} ({commit(a.baseline)}) and from this one ({commit(REPO)}), "
+                f"{a.rounds} fresh processes each, alternated; endpoint "
                 f"/v1/{a.endpoint.replace('chat', 'chat/completions')}, {a.num_requests} requests of "
                 f"{a.input_len} prompt tokens -> {a.output_len} output tokens (ignore_eos, temperature "
                 f"{a.temperature}), streamed",
