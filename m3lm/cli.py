@@ -41,9 +41,7 @@ def cmd_list(_: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace):
     """(model, tokenizer, group or None); None on a follower rank under torchrun, which has
     already served rank 0's steps by the time it returns."""
-    from m3lm.device import under_torchrun
-    from m3lm.distributed.launch import launch
-    from m3lm.loader import load
+    from m3lm.distributed.launch import load_for_engine
     from m3lm.threads import use_threads
 
     bar = None
@@ -56,32 +54,30 @@ def _load(args: argparse.Namespace):
             bar = tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr, leave=False)
         bar.update(done - bar.n)
 
-    tp = getattr(args, "tensor_parallel_size", 1)
     try:
-        if tp > 1 or under_torchrun():
-            if args.load_format != "auto" or args.skip_tokenizer_init:
-                raise M3lmError("--load-format dummy and --skip-tokenizer-init need --tensor-parallel-size 1")
-            ep = args.expert_parallel
-            loaded = launch(
-                args.model, tp, ep, device=args.device, dtype=args.dtype, progress=progress, quant=args.quant
-            )
-            if loaded is not None:
-                use_threads(loaded[0], args.threads)
-            return loaded
-        loaded = load(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            progress=progress,
-            quant=args.quant,
-            load_format=args.load_format,
-            skip_tokenizer_init=args.skip_tokenizer_init,
-        )
-        use_threads(loaded[0], args.threads)
-        return (*loaded, None)
+        loaded = load_for_engine(load_spec(args), progress)
+        if loaded is not None:
+            use_threads(loaded[0], args.threads)
+        return loaded
     finally:
         if bar is not None:
             bar.close()
+
+
+def load_spec(args: argparse.Namespace):
+    """The loading flags of `generate`, `chat` and `serve` as one LoadSpec."""
+    from m3lm.config import LoadSpec
+
+    return LoadSpec(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        quant=args.quant,
+        load_format=args.load_format,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        expert_parallel=getattr(args, "expert_parallel", False),
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -300,25 +296,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.host,
         )
     serve(
-        args.model,
+        load_spec(args),
         host=args.host,
         port=args.port,
         api_key=keys,
         cache_salt_by_api_key=args.cache_salt_by_api_key,
         served_model_name=args.served_model_name,
-        device=args.device,
-        dtype=args.dtype,
         limits=Limits(max_queue=args.max_queue, engine_timeout_s=args.engine_timeout),
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         msa_dense_window=args.msa_dense_window,
         prefix_caching=args.prefix_caching,
-        tensor_parallel_size=args.tensor_parallel_size,
-        expert_parallel=args.expert_parallel,
-        quant=args.quant,
-        load_format=args.load_format,
-        skip_tokenizer_init=args.skip_tokenizer_init,
         threads=args.threads,
         grace_s=args.drain_timeout,
         web_ui=args.web_ui,

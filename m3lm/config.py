@@ -393,6 +393,31 @@ def parse_config(config: dict[str, Any]) -> ModelArgs:
 
 
 @dataclass(frozen=True)
+class LoadSpec:
+    """Every loading option in one place: what the CLI, `serve`, `LLM` and the engine process
+    load from (`m3lm.distributed.launch.load_for_engine`). `dtype` is a torch dtype or its name."""
+
+    model_dir: str
+    device: str | None = None
+    dtype: Any = None
+    quant: str = "auto"
+    load_format: str = "auto"  # "dummy": random weights from config.json alone
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
+    skip_tokenizer_init: bool = False  # token ids in and out
+
+    def check(self, under_torchrun: bool = False) -> None:
+        """Refuse combinations that cannot load (a ValueError saying which)."""
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: must be at least 1")
+        if self.tensor_parallel_size > 1 or under_torchrun:
+            if self.load_format != "auto":
+                raise ValueError("--load-format dummy needs --tensor-parallel-size 1")
+            if self.skip_tokenizer_init:
+                raise ValueError("--skip-tokenizer-init needs --tensor-parallel-size 1 (and no torchrun)")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Runtime knobs of the engine (not properties of a checkpoint).
 

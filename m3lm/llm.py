@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from m3lm.config import EngineConfig
+from m3lm.config import EngineConfig, LoadSpec
 from m3lm.core import SamplingParams, TokenLogprob
 from m3lm.engine.engine import LLMEngine
 from m3lm.generation import with_text
@@ -54,15 +54,12 @@ class LLM:
         skip_tokenizer_init: bool = False,
         **engine_kwargs: Any,
     ):
-        from m3lm.loader import load
+        from m3lm.distributed.launch import load_for_engine
 
-        self.model, self.tokenizer = load(
-            model,
-            device=device,
-            dtype=dtype,
-            load_format=load_format,
-            skip_tokenizer_init=skip_tokenizer_init,
+        spec = LoadSpec(
+            str(model), device, dtype, load_format=load_format, skip_tokenizer_init=skip_tokenizer_init
         )
+        self.model, self.tokenizer, _ = load_for_engine(spec)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**engine_kwargs))
 
     def get_default_sampling_params(self) -> SamplingParams:

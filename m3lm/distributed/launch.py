@@ -1,4 +1,5 @@
-"""Start a tensor-parallel group: N-1 worker processes on this node, or the ranks torchrun made.
+"""Load for an engine (`load_for_engine`, the one entry): on one device, or over a tensor-parallel
+group: N-1 worker processes on this node, or the ranks torchrun made.
 
 Rank 0 loads its shard, runs the engine (and the HTTP server) and sends every step to the
 followers; the followers load their shards and mirror the steps (`m3lm.engine.follower`). On one
@@ -23,10 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from m3lm.config import LoadSpec
 from m3lm.device import under_torchrun
 from m3lm.distributed import steps
 from m3lm.distributed.parallel import ParallelConfig, init_group
 from m3lm.errors import ConfigError
+from m3lm.loader import load
 
 log = logging.getLogger("m3lm.distributed")
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -116,8 +119,6 @@ class Group:
 
 
 def _load(model_dir: str, dev: torch.device, dtype: Any, quant: str, pc: ParallelConfig, progress=None):
-    from m3lm.loader import load
-
     return load(model_dir, device=dev, dtype=dtype, progress=progress, quant=quant, parallel=pc)
 
 
@@ -141,6 +142,36 @@ def _worker(rank: int, world: int, ep: bool, port: int, model_dir: str, device, 
         print(f"m3lm: error: tensor-parallel rank {rank}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     dist.destroy_process_group()
+
+
+def load_for_engine(
+    spec: LoadSpec, progress: Callable[[int, int], None] | None = None
+) -> tuple[Any, Any, Group | None] | None:
+    """The one way to load for an engine: (model, tokenizer or None, group or None) on one
+    device, or rank 0's shard and its group under tensor parallelism (worker processes started
+    here, or torchrun's ranks); None on a torchrun follower rank, which has served rank 0's steps
+    by the time it returns."""
+    spec.check(under_torchrun())
+    if spec.tensor_parallel_size > 1 or under_torchrun():
+        return launch(
+            spec.model_dir,
+            spec.tensor_parallel_size,
+            spec.expert_parallel,
+            spec.device,
+            spec.dtype,
+            progress=progress,
+            quant=spec.quant,
+        )
+    model, tokenizer = load(
+        spec.model_dir,
+        device=spec.device,
+        dtype=spec.dtype,
+        progress=progress,
+        quant=spec.quant,
+        load_format=spec.load_format,
+        skip_tokenizer_init=spec.skip_tokenizer_init,
+    )
+    return model, tokenizer, None
 
 
 def launch(

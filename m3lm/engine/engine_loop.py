@@ -9,6 +9,7 @@ torchrun's rank 0). The server binds both sockets; the loop connects.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -179,36 +180,18 @@ class EngineLoop:
 def build_engine(spec: EngineSpec):
     """Load the model (rank 0 of a group under tensor parallelism) -> (LLMEngine, group or None)."""
     from m3lm.config import EngineConfig
+    from m3lm.distributed.launch import load_for_engine
 
-    group = None
-    if spec.tensor_parallel_size > 1:
-        from m3lm.distributed.launch import launch
-
-        model, _, group = launch(
-            spec.model_dir,
-            spec.tensor_parallel_size,
-            spec.expert_parallel,
-            spec.device,
-            spec.dtype,
-            quant=spec.quant,
-        )
-    else:
-        from m3lm.loader import load
-
-        model, _ = load(
-            spec.model_dir,
-            spec.device,
-            spec.dtype,
-            quant=spec.quant,
-            load_format=spec.load_format,
-            skip_tokenizer_init=True,
-        )
+    load = spec.load
+    if load.tensor_parallel_size == 1:  # this process needs no tokenizer (the server has one)
+        load = dataclasses.replace(load, skip_tokenizer_init=True)
+    model, _, group = load_for_engine(load)
     use_threads(model, spec.threads)
 
     def tokenizer():  # for structured output's grammars, loaded when the first one compiles
         from m3lm.tokenizer import load_tokenizer
 
-        return load_tokenizer(spec.model_dir)
+        return load_tokenizer(spec.load.model_dir)
 
     try:
         engine = LLMEngine(

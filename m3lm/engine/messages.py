@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from m3lm.config import LoadSpec
 from m3lm.core import SamplingParams, StepOutput, TokenLogprob
 
 
@@ -20,13 +21,7 @@ from m3lm.core import SamplingParams, StepOutput, TokenLogprob
 class EngineSpec:
     """How the engine process builds its engine (pickled into the new process)."""
 
-    model_dir: str
-    device: str | None = None
-    dtype: str | None = None
-    quant: str = "auto"
-    load_format: str = "auto"
-    tensor_parallel_size: int = 1
-    expert_parallel: bool = False
+    load: LoadSpec
     engine_kwargs: dict = field(default_factory=dict)
     eos_ids: tuple[int, ...] = ()  # the tokenizer's, which the engine process does not load
     log_level: int = logging.INFO

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from m3lm.config import LoadSpec
 from m3lm.engine.async_engine import AsyncEngine
 from m3lm.errors import M3lmError
 from m3lm.server import anthropic, responses, web
@@ -309,33 +310,25 @@ def draining_server(config: uvicorn.Config, app, grace_s: float) -> DrainingServ
 
 
 def serve(
-    model_dir: str,
+    load: LoadSpec,
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | Sequence[str] | None = None,
     served_model_name: str | None = None,
-    device: str | None = None,
-    dtype: str | None = None,
     grace_s: float = 30.0,
     limits: Limits | None = None,
-    tensor_parallel_size: int = 1,
-    expert_parallel: bool = False,
-    quant: str = "auto",
     cache_salt_by_api_key: bool = False,
-    load_format: str = "auto",
-    skip_tokenizer_init: bool = False,
     threads: int | None = None,
     web_ui: bool = True,
     **engine_kwargs,
 ) -> None:
-    """Start the engine process (it loads the model), then run uvicorn until SIGINT/SIGTERM.
+    """Start the engine process (it loads `load`'s model), then run uvicorn until SIGINT/SIGTERM.
 
-    This process serves HTTP, tokenizes and detokenizes; the engine process schedules and runs
-    the model (and, under tensor parallelism, drives the other ranks). Under torchrun rank 0 is
-    the engine already, so its loop runs on a thread here and the other ranks follow.
-    `load_format` and `skip_tokenizer_init` as in `m3lm.load`; `threads`: torch's CPU threads in
-    the process that runs the model (`m3lm.threads`); `web_ui`: the chat page at /;
-    `engine_kwargs`: EngineConfig fields.
+    This process serves HTTP and turns ids into text; the engine process schedules and runs the
+    model (and, under tensor parallelism, drives the other ranks). Under torchrun rank 0 is the
+    engine already, so its loop runs on a thread here and the other ranks follow. `threads`:
+    torch's CPU threads in the process that runs the model (`m3lm.threads`); `web_ui`: the chat
+    page at /; `engine_kwargs`: EngineConfig fields.
     """
     from m3lm.config import EngineConfig, check_dir
     from m3lm.device import resolve_device, under_torchrun
@@ -343,20 +336,17 @@ def serve(
     from m3lm.tokenizer import load_tokenizer
 
     limits = room_for_connections(limits or Limits())
-    name = served_model_name or str(model_dir).rstrip("/").rsplit("/", 1)[-1]
-    if load_format != "auto" and (tensor_parallel_size > 1 or under_torchrun()):
-        raise ValueError("--load-format dummy needs --tensor-parallel-size 1")
-    resolve_device(device)  # a device this machine lacks is refused before anything starts
+    name = served_model_name or str(load.model_dir).rstrip("/").rsplit("/", 1)[-1]
+    load.check(under_torchrun())
+    resolve_device(load.device)  # a device this machine lacks is refused before anything starts
     if under_torchrun():
-        if skip_tokenizer_init:
-            raise ValueError("--skip-tokenizer-init is not supported under torchrun")
         # rank 0 holds the port from the start; the other ranks follow its steps and serve nothing
         sock = bind(host, port) if os.environ.get("RANK", "0") == "0" else None
-        from m3lm.distributed.launch import launch
+        from m3lm.distributed.launch import load_for_engine
         from m3lm.engine.engine import LLMEngine  # this process is the engine too: rank 0
 
         with stop_on_signals(), _closed_on_error(sock):
-            loaded = launch(model_dir, tensor_parallel_size, expert_parallel, device, dtype, quant=quant)
+            loaded = load_for_engine(load)
         if loaded is None:  # a follower rank: rank 0 has stopped
             return
         model, tokenizer, group = loaded
@@ -381,19 +371,13 @@ def serve(
         finally:
             group.shutdown()
         return
-    path = check_dir(model_dir)
+    path = check_dir(load.model_dir)
     EngineConfig(**engine_kwargs)  # a bad setting is refused here, before the engine starts
     sock = bind(host, port)
     with _closed_on_error(sock), stop_on_signals():
-        tokenizer = None if skip_tokenizer_init else load_tokenizer(path)
+        tokenizer = None if load.skip_tokenizer_init else load_tokenizer(path)
         spec = EngineSpec(
-            str(path),
-            device,
-            dtype,
-            quant,
-            load_format,
-            tensor_parallel_size,
-            expert_parallel,
+            replace(load, model_dir=str(path)),
             engine_kwargs,
             tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else (),
             logging.getLogger().getEffectiveLevel(),
