@@ -28,14 +28,14 @@ from dataclasses import dataclass
 import torch
 
 from m3lm.cache.kv_cache import KVCache, PagedKV
-from m3lm.config import parse_config
+from m3lm.config import parse_config, release_config
 from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.engine.cuda_graphs import DecodeGraphs
 from m3lm.gpu_meter import GpuMeter, GpuState
 from m3lm.layers.linear import weight_bytes
 from m3lm.layers.rotary import rope_cos_sin
 from m3lm.loader import random_weights_
-from m3lm.models.minimax_m3 import MiniMaxM3, add_norm, keep_mxfp8_, release_config
+from m3lm.models.minimax_m3 import MiniMaxM3, add_norm, keep_mxfp8_
 
 RELEASE_DENSE, RELEASE_SPARSE = 3, 57  # the release's dense + full-attention and MoE + MSA layers
 COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on the H200

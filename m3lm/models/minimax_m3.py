@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -654,87 +653,6 @@ def _stacked(base: str, kind: str, shape: tuple[int, ...], args: ModelArgs) -> R
     if packed:
         pieces.append(Piece(sh + "down_proj.weight", None, (n_exp,)))
     return Remapped(tuple(pieces), (rows, c, i))
-
-
-def release_config(
-    *,
-    vocab_size: int,
-    hidden_size: int,
-    num_hidden_layers: int,
-    num_attention_heads: int,
-    num_key_value_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    rope_theta: float,
-    max_position_embeddings: int,
-    dense_layers: int,
-    dense_intermediate_size: int,
-    intermediate_size: int,
-    shared_intermediate_size: int,
-    num_local_experts: int,
-    num_experts_per_tok: int,
-    index_head_dim: int,
-    block_size: int,
-    topk_blocks: int,
-    local_blocks: int,
-) -> dict[str, Any]:
-    """A release-style config.json: the first `dense_layers` layers are dense MLP + full attention,
-    the rest MoE + MSA, as in the release (3 dense layers of 60)."""
-    kinds = [0] * dense_layers + [1] * (num_hidden_layers - dense_layers)
-    text = {
-        "model_type": "minimax_m3",
-        "architectures": ["MiniMaxM3SparseForCausalLM"],
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_hidden_layers,
-        "num_attention_heads": num_attention_heads,
-        "num_key_value_heads": num_key_value_heads,
-        "head_dim": head_dim,
-        "rotary_dim": rotary_dim,
-        "partial_rotary_factor": rotary_dim / head_dim,
-        "rope_theta": rope_theta,
-        "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "swigluoai",
-        "swiglu_alpha": 1.702,
-        "swiglu_limit": 7.0,
-        "use_gemma_norm": True,
-        "use_qk_norm": True,
-        "qk_norm_type": "per_head",
-        "attention_output_gate": False,
-        "intermediate_size": intermediate_size,
-        "dense_intermediate_size": dense_intermediate_size,
-        "shared_intermediate_size": shared_intermediate_size,
-        "n_shared_experts": 1,
-        "num_local_experts": num_local_experts,
-        "num_experts_per_tok": num_experts_per_tok,
-        "scoring_func": "sigmoid",
-        "use_routing_bias": True,
-        "routed_scaling_factor": 2.0,
-        "norm_topk_prob": True,
-        "moe_layer_freq": kinds,
-        "tie_word_embeddings": False,
-        "sparse_attention_config": {
-            "use_sparse_attention": True,
-            "sparse_score_type": "max",
-            "sparse_attention_freq": kinds,
-            "sparse_disable_index_value": kinds,
-            "sparse_num_index_heads": num_key_value_heads,
-            "sparse_index_dim": index_head_dim,
-            "sparse_block_size": block_size,
-            "sparse_topk_blocks": topk_blocks,
-            "sparse_init_block": 0,
-            "sparse_local_block": local_blocks,
-        },
-        "num_mtp_modules": 0,
-    }
-    return {
-        "model_type": "minimax_m3_vl",
-        "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
-        "text_config": text,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
 
 
 def release_name(param: str, slot: int | None = None) -> str:
