@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3lm.kernels import fused, moe_triton, msa_triton
+from m3lm.kernels import fused, moe_triton, msa_triton, router_triton
 from m3lm.kernels.fp8 import dequant_mxfp8, dequant_rows_fp8, quantize_mxfp8, quantize_rows_fp8
 from m3lm.kernels.fp8_triton import DEQUANT_MIN_T, Config, dequantize, mxfp8_matmul, pack_gate_up
 from m3lm.kernels.moe import moe_experts_ref
@@ -261,7 +261,7 @@ def routing_kernels():
         if t == 3:
             logits[:, :4] = 0.5  # exact ties go to the lower expert id
         bias = torch.randn(e) * 0.1
-        w, ids = moe_triton.route(logits, bias, a)
+        w, ids = router_triton.route(logits, bias, a)
         w_ref, ids_ref = route(logits, bias, a)
         assert torch.equal(ids, ids_ref)
         close(w, w_ref, 1e-6)
@@ -270,7 +270,7 @@ def routing_kernels():
         ):
             assert torch.equal(got, want), (got, want)
     x, w = torch.randn(3, 2500).bfloat16(), torch.randn(6, 2500)  # C not a whole number of tiles
-    close(moe_triton.router_gemv(x, w), (x.double() @ w.double().T).float(), 1e-3)
+    close(router_triton.router_gemv(x, w), (x.double() @ w.double().T).float(), 1e-3)
 
 
 def mxfp8_weight(*shape, std=0.1):

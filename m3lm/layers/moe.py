@@ -30,7 +30,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: torch.Tensor | N
     tensor cores instead of fp32 units.
     """
     if x.is_cuda and split is None:
-        from m3lm.kernels.moe_triton import ROUTER_GEMV_MAX_T, router_gemv
+        from m3lm.kernels.router_triton import ROUTER_GEMV_MAX_T, router_gemv
 
         if x.shape[0] <= ROUTER_GEMV_MAX_T:  # a decode step: one launch reading the fp32 weight once
             return router_gemv(x, weight)
@@ -44,7 +44,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, split: torch.Tensor | N
 def route(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_ref`; on the GPU one Triton launch."""
     if router_logits.is_cuda:
-        from m3lm.kernels.moe_triton import route as route_triton
+        from m3lm.kernels.router_triton import route as route_triton
 
         return route_triton(router_logits, bias, top_k)
     return route_ref(router_logits, bias, top_k)
