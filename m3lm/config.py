@@ -14,7 +14,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from m3lm.errors import CheckpointError, ConfigError
 
@@ -56,6 +56,16 @@ CEILINGS = {
 }
 
 
+class MSAConfig(NamedTuple):
+    """A sparse layer's block selection: each query's KV group attends the `topk_blocks` best blocks
+    of `block_size` keys, `local_blocks` most recent and `init_blocks` first ones always among them."""
+
+    block_size: int
+    topk_blocks: int
+    local_blocks: int
+    init_blocks: int
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     vocab_size: int
@@ -90,6 +100,12 @@ class ModelArgs:
     def kv_groups(self) -> int:
         """Query heads per KV head (16 in the release)."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def msa(self) -> MSAConfig:
+        return MSAConfig(
+            self.index_block_size, self.index_topk_blocks, self.index_local_blocks, self.index_init_blocks
+        )
 
     @property
     def dense_window(self) -> int:

@@ -7,7 +7,7 @@ from checkpoints import Spec, bare_text_config, hf_vl_config, release_config
 from conftest import FIXTURES
 
 from m3lm import config
-from m3lm.config import ModelArgs
+from m3lm.config import ModelArgs, MSAConfig
 from m3lm.errors import ConfigError
 
 
@@ -30,8 +30,7 @@ def test_release_config_reads_back_as_written():
     )  # fmt: skip
     a = ModelArgs.from_dict(config.release_config(**sizes, dense_layers=1))
     assert a.moe_layers == a.sparse_layers == (False, True, True, True)
-    msa = (a.index_block_size, a.index_topk_blocks, a.index_local_blocks, a.index_init_blocks)
-    assert msa == (4, 3, 1, 0)
+    assert a.msa == MSAConfig(block_size=4, topk_blocks=3, local_blocks=1, init_blocks=0)
     assert (a.vocab_size, a.head_dim, a.rotary_dim, a.num_local_experts) == (300, 16, 8, 8)
     b = ModelArgs.from_dict(
         config.release_config(
