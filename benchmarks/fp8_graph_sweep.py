@@ -32,7 +32,7 @@ from m3lm.kernels import moe_fp8_triton as mf
 from m3lm.kernels.fp8 import quantize_mxfp8
 from m3lm.kernels.fp8_triton import Config, matmul_config, mxfp8_matmul
 from m3lm.kernels.host import sm_count
-from m3lm.kernels.moe_triton import route
+from m3lm.kernels.router_triton import route
 
 DENSE = [  # name, weight rows, inputs, act
     ("q|k|v|index q|index k", 9856, 6144, None),

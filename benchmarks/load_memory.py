@@ -55,8 +55,8 @@ sys.path.insert(0, str(REPO))
 
 from report import append_section, device  # noqa: E402
 
-from m3lm.config import ModelArgs  # noqa: E402
-from m3lm.models.minimax_m3 import MiniMaxM3, release_config, release_name  # noqa: E402
+from m3lm.config import ModelArgs, release_config  # noqa: E402
+from m3lm.models.minimax_m3 import MiniMaxM3, release_name  # noqa: E402
 
 LAYERS = 9  # layer 0 dense MLP + full attention, layers 1-8 MoE + MSA
 

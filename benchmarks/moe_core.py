@@ -25,7 +25,7 @@ import torch
 
 from m3lm.bench import _time, bench_prefill, build_slice
 from m3lm.kernels import moe_triton as mt
-from m3lm.layers.moe import route, router_logits
+from m3lm.kernels.moe import route, router_logits
 
 C, WIDTH, E, A, T = 6144, 3072, 128, 4, 8192  # hidden, expert width, experts, top-k, tokens
 ALPHA, LIMIT = 1.702, 7.0

@@ -33,7 +33,7 @@ from benchmarks.step_energy import capture, per_call
 from m3lm.bench import build_slice
 from m3lm.gpu_meter import GpuMeter
 from m3lm.kernels import moe_triton as mt
-from m3lm.layers.moe import route, router_logits
+from m3lm.kernels.moe import route, router_logits
 
 BM, BN, BK, STAGES, GROUP_M, WARPS = 128, 256, 64, 4, 16, 8
 

@@ -24,7 +24,7 @@ from m3lm.bench import PREFILL_SECONDS, _measure, build_slice
 from m3lm.gpu_meter import GpuMeter
 from m3lm.kernels import moe_triton as mt
 from m3lm.kernels.fused import moe_combine
-from m3lm.layers.moe import route, router_logits
+from m3lm.kernels.moe import route, router_logits
 from m3lm.models.minimax_m3 import MoE
 
 ENGINE = MoE.unsummed

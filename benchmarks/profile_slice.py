@@ -52,10 +52,10 @@ def decode(model, batch: int, ctx: int, rows: int) -> None:
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
     with torch.inference_mode():
         dec = DecodeBatch.build(positions, tables, cache, s)
-        model.decode(tokens, dec)
+        model.forward_batch(tokens, dec)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model.decode(tokens, dec)
+            model.forward_batch(tokens, dec)
             torch.cuda.synchronize()
     print(f"== eager decode B={batch} ctx={ctx}")
     table(prof, rows)

@@ -23,11 +23,10 @@ import torch
 
 import m3lm.kernels.msa as msa
 import m3lm.kernels.msa_prefill_triton as mp
-import m3lm.models.minimax_m3 as mm
 from m3lm.bench import build_slice, prefill_step
 from m3lm.gpu_meter import GpuMeter
 from m3lm.kernels import moe_triton as mt
-from m3lm.layers.moe import route, router_logits
+from m3lm.kernels.moe import route, router_logits
 
 
 def per_call(meter: GpuMeter, fn, seconds: float) -> tuple[float, float, float]:
@@ -50,7 +49,7 @@ def per_call(meter: GpuMeter, fn, seconds: float) -> tuple[float, float, float]:
 def capture(model, length: int):
     """The step, and the inputs one step gives the pieces timed here."""
     seen = {}
-    sparse, dense = mp.msa_prefill_attention, mm.msa_attention_sdpa
+    sparse, dense = mp.msa_prefill_attention, msa.msa_attention_sdpa
 
     def keep(name, fn):
         def call(*a, **k):
@@ -60,7 +59,7 @@ def capture(model, length: int):
         return call
 
     mp.msa_prefill_attention = keep("sparse", sparse)
-    mm.msa_attention_sdpa = msa.msa_attention_sdpa = keep("dense", dense)
+    msa.msa_attention_sdpa = keep("dense", dense)
     moe = model.model.layers[1].block_sparse_moe
     hook = moe.register_forward_pre_hook(lambda mod, args: seen.setdefault("moe", args[0].detach().clone()))
     step = prefill_step(model, length)
@@ -69,7 +68,7 @@ def capture(model, length: int):
         torch.cuda.synchronize()
     finally:
         hook.remove()
-        mp.msa_prefill_attention, mm.msa_attention_sdpa, msa.msa_attention_sdpa = sparse, dense, dense
+        mp.msa_prefill_attention, msa.msa_attention_sdpa = sparse, dense
     return step, seen
 
 

@@ -7,8 +7,8 @@ with CUDA events after a barrier, reported from rank 0 (median of `--iters`):
 
 - decode steps at each `--decode BxCTX` over a paged cache of CTX positions holding random keys,
   through `forward_batch` (path `batch`, what the engine runs under tensor parallelism) and, on
-  GPUs, `model.decode` run eagerly (path `decode`, the graph-ready kernels). CUDA graphs are off
-  under tensor parallelism (collectives are not captured), so both are eager.
+  GPUs, `forward_batch` over a `DecodeBatch` run eagerly (path `decode`, the graph-ready kernels).
+  CUDA graphs are off under tensor parallelism (collectives are not captured), so both are eager.
 - prefill of one sequence of each `--prefill` length (one packed forward, logits of the last row).
 
 Each case is also timed at depth 0 (embedding + final norm + lm_head) and depth 1 (plus the
@@ -105,7 +105,7 @@ def decode_step(model: MiniMaxM3, cache: KVCache, batch: int, ctx: int, path: st
     if path == "decode":  # GPU kernels, no host sync: the step CUDA graphs capture on one GPU
         tab = torch.tensor(tables, dtype=torch.int32, device=dev)  # [B, pages]
         dec = DecodeBatch.build(positions, tab, cache, a.index_block_size)
-        return lambda: model.decode(tokens, dec)
+        return lambda: model.forward_batch(tokens, dec)
 
     def step():
         kv = PagedKV(cache, tables, [ctx - 1] * batch, [1] * batch)

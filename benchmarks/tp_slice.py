@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from m3lm.bench import release_slice_config
-from m3lm.config import ModelArgs, parse_config
+from m3lm.config import ModelArgs, parse_config, release_config
 from m3lm.distributed.parallel import ParallelConfig
 from m3lm.distributed.shard import param_shard
-from m3lm.models.minimax_m3 import MiniMaxM3, release_config
+from m3lm.models.minimax_m3 import MiniMaxM3
 
 RELEASE_LAYERS, RELEASE_DENSE, RELEASE_SPARSE = 60, 3, 57
 # Published serving figures for the full model (../shared/docs/performance.md): vLLM, MXFP8 weights,

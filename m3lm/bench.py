@@ -28,14 +28,13 @@ from dataclasses import dataclass
 import torch
 
 from m3lm.cache.kv_cache import KVCache, PagedKV
-from m3lm.config import parse_config
+from m3lm.config import parse_config, release_config
 from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.engine.cuda_graphs import DecodeGraphs
 from m3lm.gpu_meter import GpuMeter, GpuState
 from m3lm.layers.linear import weight_bytes
-from m3lm.layers.rotary import rope_cos_sin
 from m3lm.loader import random_weights_
-from m3lm.models.minimax_m3 import MiniMaxM3, add_norm, keep_mxfp8_, release_config
+from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_
 
 RELEASE_DENSE, RELEASE_SPARSE = 3, 57  # the release's dense + full-attention and MoE + MSA layers
 COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on the H200
@@ -216,7 +215,7 @@ def decode_parts(model: MiniMaxM3, cache: KVCache, batch: int, pages: int, ctx: 
     positions = torch.full((batch,), ctx - 1, device=dev)
     tables = torch.arange(batch * pages, device=dev, dtype=torch.int32).view(batch, pages)
     dec = DecodeBatch.build(positions, tables, cache, a.index_block_size)
-    cos, sin = rope_cos_sin(positions, a.rotary_dim, a.rope_theta)
+    dec.rope(a.rotary_dim, a.rope_theta)  # the step's RoPE table, made once outside the graphs
     h = model.model.embed_tokens(tokens)  # [B, C]
     layers = model.model.layers
 
@@ -224,11 +223,11 @@ def decode_parts(model: MiniMaxM3, cache: KVCache, batch: int, pages: int, ctx: 
         model.lm_head(model.model.norm(model.model.embed_tokens(tokens))).float()
 
     def layer(i: int, pending):  # the residual add of the previous output with the input norm, then the layer
-        return lambda: layers[i].decode(*add_norm(h, pending, layers[i].input_layernorm), dec, cos, sin)
+        return lambda: layers[i](*layers[i].input_layernorm(pending, h), dec)
 
     out = {"head": _graph_ms(head, iters), "dense": _graph_ms(layer(0, h), iters)}
     if len(layers) > 1:
-        moe_out = layer(1, h)()[1]  # what a MoE layer hands on (unsummed on the GPU), as layers 2.. receive
+        moe_out = layer(1, h)()[0]  # what a MoE layer hands on (unsummed on the GPU), as layers 2.. receive
         out["sparse"] = _graph_ms(layer(1, moe_out), iters)
     return out
 

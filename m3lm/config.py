@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from m3lm.errors import CheckpointError, ConfigError
 
@@ -55,6 +56,16 @@ CEILINGS = {
 }
 
 
+class MSAConfig(NamedTuple):
+    """A sparse layer's block selection: each query's KV group attends the `topk_blocks` best blocks
+    of `block_size` keys, `local_blocks` most recent and `init_blocks` first ones always among them."""
+
+    block_size: int
+    topk_blocks: int
+    local_blocks: int
+    init_blocks: int
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     vocab_size: int
@@ -89,6 +100,12 @@ class ModelArgs:
     def kv_groups(self) -> int:
         """Query heads per KV head (16 in the release)."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def msa(self) -> MSAConfig:
+        return MSAConfig(
+            self.index_block_size, self.index_topk_blocks, self.index_local_blocks, self.index_init_blocks
+        )
 
     @property
     def dense_window(self) -> int:
@@ -390,6 +407,93 @@ def parse_config(config: dict[str, Any]) -> ModelArgs:
         index_init_blocks=s["init"],
         quant_method=_quant_method(config, text),
     )
+
+
+def release_config(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_theta: float,
+    max_position_embeddings: int,
+    dense_intermediate_size: int,
+    intermediate_size: int,
+    shared_intermediate_size: int,
+    num_local_experts: int,
+    num_experts_per_tok: int,
+    index_head_dim: int,
+    block_size: int,
+    topk_blocks: int,
+    local_blocks: int,
+    dense_layers: int = 0,
+    moe_layers: Sequence[bool] | None = None,
+    sparse_layers: Sequence[bool] | None = None,
+    routed_scaling_factor: float = 2.0,
+) -> dict[str, Any]:
+    """A release-style config.json (what `parse_config` reads back): the first `dense_layers`
+    layers are dense MLP + full attention, the rest MoE + MSA, as in the release (3 dense layers
+    of 60); `moe_layers` and `sparse_layers` set each layer's kinds instead."""
+    kinds = [0] * dense_layers + [1] * (num_hidden_layers - dense_layers)
+    moe = kinds if moe_layers is None else [int(x) for x in moe_layers]
+    sparse = kinds if sparse_layers is None else [int(x) for x in sparse_layers]
+    text = {
+        "model_type": "minimax_m3",
+        "architectures": ["MiniMaxM3SparseForCausalLM"],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "head_dim": head_dim,
+        "rotary_dim": rotary_dim,
+        "partial_rotary_factor": rotary_dim / head_dim,
+        "rope_theta": rope_theta,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "swigluoai",
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "use_gemma_norm": True,
+        "use_qk_norm": True,
+        "qk_norm_type": "per_head",
+        "attention_output_gate": False,
+        "intermediate_size": intermediate_size,
+        "dense_intermediate_size": dense_intermediate_size,
+        "shared_intermediate_size": shared_intermediate_size,
+        "n_shared_experts": 1,
+        "num_local_experts": num_local_experts,
+        "num_experts_per_tok": num_experts_per_tok,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "routed_scaling_factor": routed_scaling_factor,
+        "norm_topk_prob": True,
+        "moe_layer_freq": moe,
+        "tie_word_embeddings": False,
+        "sparse_attention_config": {
+            "use_sparse_attention": True,
+            "sparse_score_type": "max",
+            "sparse_attention_freq": sparse,
+            "sparse_disable_index_value": sparse,
+            "sparse_num_index_heads": num_key_value_heads,
+            "sparse_index_dim": index_head_dim,
+            "sparse_block_size": block_size,
+            "sparse_topk_blocks": topk_blocks,
+            "sparse_init_block": 0,
+            "sparse_local_block": local_blocks,
+        },
+        "num_mtp_modules": 0,
+    }
+    return {
+        "model_type": "minimax_m3_vl",
+        "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
 
 
 @dataclass(frozen=True)

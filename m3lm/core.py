@@ -52,12 +52,7 @@ class ForwardBatch:
         """cos, sin [T, R/2] fp32 of `positions`, made on first use (after the first layer's
         projections are queued: a prefill's GPU then starts on a product, not on these small
         launches) and shared by every layer."""
-        from m3lm.layers.rotary import rope_cos_sin
-
-        key = (rotary_dim, float(theta))
-        if key not in self._rope:
-            self._rope[key] = rope_cos_sin(self.positions, rotary_dim, theta)
-        return self._rope[key]
+        return _rope_table(self._rope, self.positions, rotary_dim, theta)
 
     def first_position(self, seq: int) -> int:
         """Position of sequence `seq`'s first token in this pass (host side, no device read)."""
@@ -86,6 +81,11 @@ class DecodeBatch:
     pages: torch.Tensor
     slots: torch.Tensor
     cache: object  # KVCache
+    _rope: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def rope(self, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, R/2] fp32 of `positions`, made on first use and shared by every layer."""
+        return _rope_table(self._rope, self.positions, rotary_dim, theta)
 
     @classmethod
     def build(cls, positions: torch.Tensor, tables: torch.Tensor, cache, page_size: int) -> DecodeBatch:
@@ -93,6 +93,15 @@ class DecodeBatch:
 
         pages = tables.gather(1, (positions // page_size)[:, None])[:, 0].long()
         return cls(positions, (positions + 1).to(torch.int32), tables, pages, positions % page_size, cache)
+
+
+def _rope_table(tables: dict, positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple:
+    from m3lm.layers.rotary import rope_cos_sin
+
+    key = (rotary_dim, float(theta))
+    if key not in tables:
+        tables[key] = rope_cos_sin(positions, rotary_dim, theta)
+    return tables[key]
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,13 @@ the stacked experts), a bare text checkpoint, or an MXFP8 export.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from m3lm import config
 from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
 
 
@@ -39,7 +40,6 @@ class Spec:
     topk_blocks: int = 3
     local: int = 1
     scaling: float = 2.0
-    extra: dict = field(default_factory=dict)
 
     @property
     def layers(self) -> int:
@@ -84,54 +84,14 @@ def hf_text_config(s: Spec) -> dict:
 
 def release_config(s: Spec) -> dict:
     """The config.json of a release: VL wrapper, `sparse_attention_config`, `moe_layer_freq`."""
-    text = {
-        "model_type": "minimax_m3",
-        "vocab_size": s.vocab,
-        "hidden_size": s.hidden,
-        "num_hidden_layers": s.layers,
-        "num_attention_heads": s.heads,
-        "num_key_value_heads": s.kv_heads,
-        "head_dim": s.head_dim,
-        "rotary_dim": s.rotary_dim,
-        "partial_rotary_factor": s.rotary_dim / s.head_dim,
-        "rope_theta": s.theta,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "swigluoai",
-        "swiglu_alpha": 1.702,
-        "swiglu_limit": 7.0,
-        "use_gemma_norm": True,
-        "use_qk_norm": True,
-        "qk_norm_type": "per_head",
-        "intermediate_size": s.inter,
-        "dense_intermediate_size": s.dense_inter,
-        "shared_intermediate_size": s.shared_inter,
-        "n_shared_experts": 1,
-        "num_local_experts": s.experts,
-        "num_experts_per_tok": s.top_k,
-        "scoring_func": "sigmoid",
-        "use_routing_bias": True,
-        "routed_scaling_factor": s.scaling,
-        "moe_layer_freq": [int(x) for x in s.moe],
-        "sparse_attention_config": {
-            "use_sparse_attention": True,
-            "sparse_score_type": "max",
-            "sparse_attention_freq": [int(x) for x in s.sparse],
-            "sparse_disable_index_value": [int(x) for x in s.sparse],
-            "sparse_num_index_heads": s.kv_heads,
-            "sparse_index_dim": s.index_dim,
-            "sparse_block_size": s.block,
-            "sparse_topk_blocks": s.topk_blocks,
-            "sparse_init_block": 0,
-            "sparse_local_block": s.local,
-        },
-        **s.extra,
-    }
-    return {
-        "model_type": "minimax_m3_vl",
-        "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
-        "text_config": text,
-    }
+    return config.release_config(
+        vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads, head_dim=s.head_dim, rotary_dim=s.rotary_dim, rope_theta=s.theta,
+        max_position_embeddings=4096, dense_intermediate_size=s.dense_inter, intermediate_size=s.inter,
+        shared_intermediate_size=s.shared_inter, num_local_experts=s.experts, num_experts_per_tok=s.top_k,
+        index_head_dim=s.index_dim, block_size=s.block, topk_blocks=s.topk_blocks, local_blocks=s.local,
+        moe_layers=s.moe, sparse_layers=s.sparse, routed_scaling_factor=s.scaling,
+    )  # fmt: skip
 
 
 def hf_model(s: Spec, seed: int = 0):

@@ -14,10 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from m3lm.kernels import fused, moe_triton, msa_triton
+from m3lm.kernels import fused, moe_triton, msa_triton, router_triton
 from m3lm.kernels.fp8 import dequant_mxfp8, dequant_rows_fp8, quantize_mxfp8, quantize_rows_fp8
 from m3lm.kernels.fp8_triton import DEQUANT_MIN_T, Config, dequantize, mxfp8_matmul, pack_gate_up
-from m3lm.kernels.moe import moe_experts_ref
+from m3lm.kernels.moe import moe_experts_ref, route
 from m3lm.kernels.moe_fp8_triton import moe_experts_fp8, moe_pairs_fp8
 from m3lm.kernels.moe_triton import moe_experts
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
@@ -29,7 +29,6 @@ from m3lm.kernels.msa_prefill_triton import (
 )
 from m3lm.kernels.msa_tiles import group_queries, group_queries_ref, tile_blocks, tile_blocks_ref
 from m3lm.layers.mlp import swiglu_oai_ref
-from m3lm.layers.moe import route
 from m3lm.layers.norm import rms_norm_ref
 from m3lm.layers.rotary import apply_rope_ref, rope_cos_sin
 
@@ -261,7 +260,7 @@ def routing_kernels():
         if t == 3:
             logits[:, :4] = 0.5  # exact ties go to the lower expert id
         bias = torch.randn(e) * 0.1
-        w, ids = moe_triton.route(logits, bias, a)
+        w, ids = router_triton.route(logits, bias, a)
         w_ref, ids_ref = route(logits, bias, a)
         assert torch.equal(ids, ids_ref)
         close(w, w_ref, 1e-6)
@@ -270,7 +269,7 @@ def routing_kernels():
         ):
             assert torch.equal(got, want), (got, want)
     x, w = torch.randn(3, 2500).bfloat16(), torch.randn(6, 2500)  # C not a whole number of tiles
-    close(moe_triton.router_gemv(x, w), (x.double() @ w.double().T).float(), 1e-3)
+    close(router_triton.router_gemv(x, w), (x.double() @ w.double().T).float(), 1e-3)
 
 
 def mxfp8_weight(*shape, std=0.1):
@@ -478,6 +477,43 @@ def mixed_step():
             close(a.float(), b.float(), 1e-6)
 
 
+def decode_step():
+    """A decode step over a `DecodeBatch` (what CUDA graphs capture) gives the per-sequence path's
+    logits and cache contents, on full-attention and MSA layers, with and without FP8 index keys."""
+    import copy
+
+    from checkpoints import Spec, release_config
+
+    from m3lm.cache.kv_cache import KVCache
+    from m3lm.config import ModelArgs
+    from m3lm.core import DecodeBatch
+    from m3lm.distributed.steps import Step
+    from m3lm.engine.runner import forward_step
+    from m3lm.models.minimax_m3 import MiniMaxM3, random_init_
+
+    args = ModelArgs.from_dict(release_config(Spec(block=4, topk_blocks=2)))
+    model = random_init_(MiniMaxM3(args), seed=3)
+    for index_fp8 in (False, True):
+        cache = KVCache(args, 16, "cpu", torch.float32, index_fp8)
+        tables = [[0, 1, 2, 3], [7, 5], [8, 9, 10, 11]]
+        prompts = [[(3 * i + 1) % 90 for i in range(13)], [(5 * i + 2) % 90 for i in range(6)], [4] * 9]
+        with torch.inference_mode():
+            q_lens = [len(p) for p in prompts]
+            forward_step(
+                model, cache, Step([t for p in prompts for t in p], q_lens, [0] * 3, [27], tables), None
+            )
+            plain = copy.deepcopy(cache)
+            # 13 positions of blocks of 4 exceed the top-k 2 blocks: sequence 0 selects
+            want = forward_step(model, plain, Step([4, 9, 11], [1] * 3, q_lens, [0, 1, 2], tables), None)
+            table = torch.tensor([t + [15] * (4 - len(t)) for t in tables], dtype=torch.int32)
+            dec = DecodeBatch.build(torch.tensor(q_lens), table, cache, cache.page_size)
+            got = model.forward_batch(torch.tensor([4, 9, 11]), dec)
+        close(got, want)
+        pools = [(cache.k, plain.k), (cache.v, plain.v), (list(cache.ik.values()), list(plain.ik.values()))]
+        for a, b in (pair for ours, theirs in pools for pair in zip(ours, theirs, strict=True)):
+            close(a.float(), b.float(), 1e-6)
+
+
 CHECKS = {
     f.__name__: f
     for f in (
@@ -490,6 +526,7 @@ CHECKS = {
         fp8_kernels,
         elementwise_kernels,
         mixed_step,
+        decode_step,
     )
 }
 

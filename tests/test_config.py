@@ -6,7 +6,8 @@ import pytest
 from checkpoints import Spec, bare_text_config, hf_vl_config, release_config
 from conftest import FIXTURES
 
-from m3lm.config import ModelArgs
+from m3lm import config
+from m3lm.config import ModelArgs, MSAConfig
 from m3lm.errors import ConfigError
 
 
@@ -16,6 +17,28 @@ def test_three_spellings_agree():
     assert a == ModelArgs.from_dict(hf_vl_config(s)) == ModelArgs.from_dict(bare_text_config(s))
     assert a.moe_layers == (False, True, True) and a.sparse_layers == (False, True, True)
     assert a.rotary_dim == 8 and a.kv_groups == 2 and a.index_topk_blocks == 3
+
+
+def test_release_config_reads_back_as_written():
+    """`release_config` writes what `parse_config` reads: the release's layer kinds by default,
+    or each layer's kinds as given."""
+    sizes = dict(
+        vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, rotary_dim=8, rope_theta=1e4, max_position_embeddings=512, dense_intermediate_size=96,
+        intermediate_size=32, shared_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        index_head_dim=16, block_size=4, topk_blocks=3, local_blocks=1,
+    )  # fmt: skip
+    a = ModelArgs.from_dict(config.release_config(**sizes, dense_layers=1))
+    assert a.moe_layers == a.sparse_layers == (False, True, True, True)
+    assert a.msa == MSAConfig(block_size=4, topk_blocks=3, local_blocks=1, init_blocks=0)
+    assert (a.vocab_size, a.head_dim, a.rotary_dim, a.num_local_experts) == (300, 16, 8, 8)
+    b = ModelArgs.from_dict(
+        config.release_config(
+            **sizes, moe_layers=(1, 0, 1, 0), sparse_layers=(0, 1, 1, 0), routed_scaling_factor=3.0
+        )
+    )
+    assert b.moe_layers == (True, False, True, False) and b.sparse_layers == (False, True, True, False)
+    assert b.routed_scaling_factor == 3.0
 
 
 def test_rotary_dim_derived_from_factor():

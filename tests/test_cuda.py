@@ -15,9 +15,8 @@ from m3lm.cache.kv_cache import KVCache, PagedKV
 from m3lm.config import EngineConfig
 from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.engine.engine import LLMEngine
-from m3lm.kernels.moe import moe_experts_ref
+from m3lm.kernels.moe import moe_experts_ref, route
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, select_blocks_ref
-from m3lm.layers.moe import route
 from m3lm.layers.rotary import rope_cos_sin
 
 pytestmark = pytest.mark.cuda
@@ -188,7 +187,7 @@ def test_decode_heads_match_the_unfused_path(index):
 
 
 def test_router_logits_from_bf16_slices_match_fp32():
-    from m3lm.layers.moe import router_logits, split_bf16
+    from m3lm.kernels.moe import router_logits, split_bf16
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(300, 512, generator=gen).bfloat16().to(DEV)
@@ -340,7 +339,7 @@ def prefill_then_decode(model, logits_rows=None) -> tuple[torch.Tensor, torch.Te
             cache,
             model.args.index_block_size,
         )
-        return prefill, model.decode(torch.tensor([p[-1] for p in prompts], device=DEV), dec)
+        return prefill, model.forward_batch(torch.tensor([p[-1] for p in prompts], device=DEV), dec)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -362,23 +361,23 @@ def test_moe_sum_folded_into_the_next_norm_changes_no_bit(tiny_path, monkeypatch
     """The MoE's pairs summed in the next residual add and norm (`MoEOutput`) give the logits of
     the MoE output summed on its own (`moe_combine`, then `add_rms_norm`), in a prefill with and
     without logits rows and in a decode step."""
-    from m3lm.layers.moe import MoEOutput
+    from m3lm.kernels.moe import MoEOutput
     from m3lm.models.minimax_m3 import MoE
 
     model, _ = m3lm.load(tiny_path, device=DEV, dtype=dtype, quant=quant)
     rows = torch.tensor([5, 28, 34, 83], device=DEV)  # of the 84 prefilled tokens
     calls = []
-    unsummed = MoE.unsummed
+    unsummed = MoE.forward
 
     def counted(self, x):
         out = unsummed(self, x)
         calls.append(isinstance(out, MoEOutput))
         return out
 
-    monkeypatch.setattr(MoE, "unsummed", counted)
+    monkeypatch.setattr(MoE, "forward", counted)
     folded = [*prefill_then_decode(model), prefill_then_decode(model, rows)[0]]
     assert calls and all(calls)  # every MoE layer's output went on unsummed
-    monkeypatch.setattr(MoE, "unsummed", lambda self, x: unsummed(self, x).sum())
+    monkeypatch.setattr(MoE, "forward", lambda self, x: unsummed(self, x).sum())
     summed = [*prefill_then_decode(model), prefill_then_decode(model, rows)[0]]
     for a, b in zip(folded, summed, strict=True):
         assert torch.equal(a, b)

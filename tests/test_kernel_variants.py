@@ -20,7 +20,7 @@ from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from m3lm.engine.warmup import token_key  # noqa: E402
-from m3lm.kernels import fp8_triton, fused, moe_fp8_triton, moe_triton  # noqa: E402
+from m3lm.kernels import fp8_triton, fused, moe_fp8_triton, moe_triton, router_triton  # noqa: E402
 from m3lm.kernels.fp8 import MX_BLOCK  # noqa: E402
 from m3lm.kernels.host import pad  # noqa: E402
 from m3lm.kernels.msa_prefill_triton import msa_prefill_attention, msa_select  # noqa: E402
@@ -91,10 +91,10 @@ def token_step(t: int) -> None:
     fused.embed_rms_norm(torch.zeros(t, dtype=torch.long), torch.zeros(96, C, dtype=BF16), w, 1e-6)
     fused.swiglu_packed(torch.zeros(t, 2 * WI, dtype=BF16), 1.702, 7.0)
     fused.swiglu_oai(torch.zeros(t, WI, dtype=BF16), torch.zeros(t, WI, dtype=BF16), 1.702, 7.0)
-    weights, ids = moe_triton.route(torch.zeros(t, E), torch.zeros(E), A)
+    weights, ids = router_triton.route(torch.zeros(t, E), torch.zeros(E), A)
     ids = torch.arange(t * A).remainder(E).view(t, A)
-    if t <= moe_triton.ROUTER_GEMV_MAX_T:
-        moe_triton.router_gemv(x, torch.zeros(E, C, dtype=BF16))
+    if t <= router_triton.ROUTER_GEMV_MAX_T:
+        router_triton.router_gemv(x, torch.zeros(E, C, dtype=BF16))
     w13, w2 = torch.zeros(E, WI, C, dtype=BF16), torch.zeros(E, C, WI, dtype=BF16)
     pairs = moe_triton.moe_pairs(x, ids, w13, w13, w2, 1.702, 7.0)
     fused.moe_add_rms_norm(x, pairs, x, 2.0, w, 1e-6, weights=weights)

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
-from m3lm.kernels.moe import moe_experts_ref
+from m3lm.kernels.moe import moe, moe_experts_ref, route, split_bf16
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
 from m3lm.layers.linear import MXFP8Linear, packed_linear, packed_rows
 from m3lm.layers.mlp import swiglu_oai
-from m3lm.layers.moe import route, split_bf16
-from m3lm.layers.norm import rms_norm
+from m3lm.layers.norm import RMSNorm, rms_norm
 from m3lm.layers.rotary import apply_rope, rope_cos_sin
 
 
@@ -106,6 +105,42 @@ def test_gemma_rms_norm_closed_form():
     rms = math.sqrt((9 + 16) / 2)
     assert out.dtype == torch.bfloat16
     assert out.float().tolist()[0] == pytest.approx([3 / rms, 2 * -4 / rms], rel=1e-2)
+
+
+def test_norm_with_the_residual_stream_adds_then_normalises():
+    """`x, residual = norm(x, residual)`: the stream grows by x, and x becomes its norm."""
+    norm = RMSNorm(2, 0.0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([0.0, 1.0]))
+    residual, x = torch.tensor([[1.0, -1.0]]), torch.tensor([[2.0, -3.0]])
+    y, stream = norm(x, residual)
+    assert stream.tolist() == [[3.0, -4.0]]
+    rms = math.sqrt((9 + 16) / 2)
+    assert y.tolist()[0] == pytest.approx([3 / rms, 2 * -4 / rms], rel=1e-6)
+    assert torch.equal(norm(stream), y)  # without a residual: the norm of x alone
+
+
+def test_moe_of_experts_split_over_ranks_sums_to_the_whole():
+    """Expert parallelism: each rank's experts (`first`) see only their pairs; the ranks' routed
+    parts sum to the single-device output."""
+    gen = torch.Generator().manual_seed(5)
+    t_len, c, e, i = 7, 8, 6, 4
+    x = torch.randn(t_len, c, generator=gen)
+    w1, w3 = torch.randn(e, i, c, generator=gen), torch.randn(e, i, c, generator=gen)
+    w2 = torch.randn(e, c, i, generator=gen)
+    weights, ids = route(torch.randn(t_len, e, generator=gen), torch.zeros(e), 2)
+
+    def none(x):
+        return torch.zeros_like(x)
+
+    whole = moe(x, weights, ids, (w1, w3, w2), none, 1.702, 7.0, 2.0)
+    assert torch.allclose(whole, 2.0 * moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0))
+    parts = [
+        moe(x, weights, ids, (w1[a:b], w3[a:b], w2[a:b]), none, 1.702, 7.0, 2.0, first=a)
+        for a, b in ((0, 2), (2, 6))
+    ]
+    assert not torch.allclose(parts[0], whole) and not torch.allclose(parts[1], whole)
+    assert torch.allclose(parts[0] + parts[1], whole, atol=1e-5)
 
 
 def test_partial_rope_closed_form():

@@ -10,10 +10,9 @@ from conftest import REPO
 from safetensors import safe_open
 
 import m3lm
-from m3lm.config import parse_config
+from m3lm.config import parse_config, release_config
 from m3lm.models.minimax_m3 import MiniMaxM3
 from training import evaluate, prepare_data, train
-from training.export import release_config
 from training.forward import training_forward
 from training.text import Recaser, repair, split_stories
 

@@ -27,7 +27,15 @@ from m3lm.kernels.host import pad
 
 triton = pytest.importorskip("triton")
 
-from m3lm.kernels import fp8_triton, fused, moe_fp8_triton, moe_triton, msa_prefill_triton, msa_tiles  # noqa: E402
+from m3lm.kernels import (  # noqa: E402
+    fp8_triton,
+    fused,
+    moe_fp8_triton,
+    moe_triton,
+    msa_prefill_triton,
+    msa_tiles,
+    router_triton,
+)
 from m3lm.kernels.msa_tiles import chunking  # noqa: E402
 
 # (max_num_batched_tokens, max_num_seqs, max_model_len, page size, topk blocks, experts per token)
@@ -99,7 +107,7 @@ def launch_choices(t: int, top_k: int) -> tuple:
         moe_fp8_triton.pair_path(m),
         align,
         fp8,
-        t <= moe_triton.ROUTER_GEMV_MAX_T,
+        t <= router_triton.ROUTER_GEMV_MAX_T,
     )
 
 
@@ -137,7 +145,7 @@ def test_representatives_keep_the_first_of_each_key():
     assert representatives(5, lambda n: 0) == [1]
 
 
-KERNEL_MODULES = [fp8_triton, fused, moe_fp8_triton, moe_triton, msa_prefill_triton, msa_tiles]
+KERNEL_MODULES = [fp8_triton, fused, moe_fp8_triton, moe_triton, msa_prefill_triton, msa_tiles, router_triton]
 
 
 def test_runtime_arguments_name_real_parameters():

@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import save_file
 
 from m3lm.loader import FP32_PARAMS
-from m3lm.models.minimax_m3 import MiniMaxM3, release_config, release_name
+from m3lm.models.minimax_m3 import MiniMaxM3, release_name
 
-__all__ = ["export_checkpoint", "release_config", "release_tensors"]
+__all__ = ["export_checkpoint", "release_tensors"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from m3lm.kernels.moe import route
 from m3lm.kernels.msa import index_block_scores_ref, select_blocks_ref
 from m3lm.layers.mlp import swiglu_oai
-from m3lm.layers.moe import route
 from m3lm.layers.rotary import apply_rope, rope_cos_sin
 from m3lm.models.minimax_m3 import Attention, MiniMaxM3, MoE
 

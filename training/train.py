@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from m3lm.config import parse_config
+from m3lm.config import parse_config, release_config
 from m3lm.models.minimax_m3 import MiniMaxM3
-from training.export import export_checkpoint, release_config
+from training.export import export_checkpoint
 from training.forward import training_forward
 
 # hidden 256, 6 layers (1 dense + 5 MoE/MSA), 8 experts top-2 + shared: 10.0M parameters, 20 MB bf16.

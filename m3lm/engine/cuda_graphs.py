@@ -1,10 +1,10 @@
 """Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
 
-A decode step (one new token for each of B sequences) has static shapes on the GPU path
-(`MiniMaxM3.decode`), so it is captured once per bucket (1, 2, 4, ..., max) and replayed:
-the step costs one graph launch instead of hundreds of kernel launches. Inputs are copied into
-static buffers from pinned host memory; rows past B point at a spare page the block manager
-never hands out.
+A decode step (one new token for each of B sequences: `MiniMaxM3.forward_batch` over a
+`DecodeBatch`) has static shapes on the GPU, so it is captured once per bucket (1, 2, 4, ..., max)
+and replayed: the step costs one graph launch instead of hundreds of kernel launches. Inputs are
+copied into static buffers from pinned host memory; rows past B point at a spare page the block
+manager never hands out.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class DecodeGraphs:
 
     def _step(self, b: int) -> torch.Tensor:
         dec = DecodeBatch.build(self.positions[:b], self.tables[:b], self.cache, self.page_size)
-        return self.model.decode(self.tokens[:b], dec)
+        return self.model.forward_batch(self.tokens[:b], dec)
 
     @torch.inference_mode()
     def capture(self, b: int) -> None:

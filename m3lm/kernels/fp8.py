@@ -49,19 +49,6 @@ def mxfp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
     return x @ dequant_mxfp8(q, scale, x.dtype).T
 
 
-def moe_experts_mxfp8(x, weights, ids, w1, s1, w3, s3, w2, s2, alpha: float, limit: float) -> torch.Tensor:
-    """`moe_experts_ref`'s contract with MXFP8 experts: w1/w3 [E, I, C] + scales [E, I, C/32], w2 [E, C, I]
-    + [E, C, I/32]. GPU: weight-only FP8 grouped GEMM; CPU: dequantise, then the reference."""
-    if x.is_cuda:
-        from m3lm.kernels.moe_fp8_triton import moe_experts_fp8
-
-        return moe_experts_fp8(x, weights, ids, w1, s1, w3, s3, w2, s2, alpha, limit)
-    from m3lm.kernels.moe import moe_experts_ref
-
-    deq = [dequant_mxfp8(w, s, x.dtype) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
-    return moe_experts_ref(x, weights, ids, *deq, alpha, limit)
-
-
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row e4m3 with one fp32 scale (amax / 448): x [..., D] -> (q [..., D], scale [...]).
 

@@ -1,4 +1,5 @@
-"""MSA: lightning-indexer block selection and block-sparse attention (plain PyTorch references).
+"""MSA: lightning-indexer block selection and block-sparse attention: the plain PyTorch
+references and `msa_select` / `msa_attention`, which take the Triton kernels on the GPU.
 
 Shapes: T queries, Tk keys of one sequence (positions 0..Tk-1), H query heads, K KV heads
 (= index heads), G = H / K, D head dim, Di index head dim, S block size, N = ceil(Tk / S) blocks,
@@ -61,6 +62,24 @@ def select_blocks_ref(
     return chosen
 
 
+def msa_select(
+    iq: torch.Tensor,
+    ik: torch.Tensor,
+    q_pos: torch.Tensor,
+    block_size: int,
+    topk: int,
+    local: int,
+    init: int,
+    first: int | None = None,
+) -> torch.Tensor | None:
+    """`msa_select_ref`, scored by a Triton kernel on the GPU (`first`: q_pos[0], known on the host)."""
+    if not iq.is_cuda:
+        return msa_select_ref(iq, ik, q_pos, block_size, topk, local, init)
+    from m3lm.kernels.msa_prefill_triton import msa_select as msa_select_triton
+
+    return msa_select_triton(iq, ik, q_pos, block_size, topk, local, init, first)
+
+
 def msa_select_ref(
     iq: torch.Tensor,
     ik: torch.Tensor,
@@ -82,6 +101,30 @@ def msa_select_ref(
         scores = index_block_scores_ref(iq[s : s + step], ik, q_pos[s : s + step], block_size)
         out.append(select_blocks_ref(scores, q_pos[s : s + step], block_size, topk, local, init))
     return torch.cat(out, dim=1)
+
+
+def msa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    block_ids: torch.Tensor | None = None,
+    block_size: int = 0,
+    first: int | None = None,
+) -> torch.Tensor:
+    """Attention of one sequence's queries: GPU kernels on the GPU, the plain reference on the CPU.
+
+    On the GPU a whole sequence with no selection takes PyTorch's causal flash kernel; anything
+    else (block-sparse, or a chunk after cached keys) the block-sparse Triton kernel.
+    """
+    if not q.is_cuda:
+        return msa_attention_ref(q, k, v, q_pos, scale, block_ids, block_size)
+    if block_ids is None and k.shape[0] == q.shape[0]:
+        return msa_attention_sdpa(q, k, v, q_pos, scale)
+    from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
+
+    return msa_prefill_attention(q, k, v, q_pos, scale, block_ids, block_size or 128, first)
 
 
 def msa_attention_ref(

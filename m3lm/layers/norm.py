@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from m3lm.kernels.moe import MoEOutput
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`x * rsqrt(mean(x^2) + eps) * (1 + w)` over the last dim; stored `w` = 0 is the identity."""
@@ -39,5 +41,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor | MoEOutput, residual: torch.Tensor | None = None):
+        """norm(x) [T, C]; with the residual stream: (norm(residual + x), residual + x), one GPU
+        pass in which x may be a MoE's pairs not yet summed (`MoEOutput`)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        if isinstance(x, MoEOutput):
+            residual, x = x.add_rms_norm(residual, self.weight, self.eps)
+        else:
+            residual, x = add_rms_norm(residual, x, self.weight, self.eps)
+        return x, residual

@@ -1,8 +1,8 @@
 """MiniMax-M3 text decoder: GQA or MSA attention, dense MLP or MoE, and its checkpoint layouts.
 
-Shape legend: T tokens (packed over sequences), B sequences, H query heads, K KV heads
-(= index heads), G = H/K, D head dim, R rotary dim, Di index head dim, C hidden, E experts,
-A active experts, I expert width, V vocab.
+Shape legend: T tokens (packed over sequences; B on a decode step), B sequences, H query heads,
+K KV heads (= index heads), G = H/K, D head dim, R rotary dim, Di index head dim, C hidden,
+E experts, A active experts, I expert width, V vocab, W the packed projections' width.
 
 Attribute names mirror the release checkpoint keys (`language_model.` stripped), so a release
 tensor lands on the parameter of the same name; `remap_key` is the one home of the other layouts.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -21,38 +20,13 @@ from m3lm.config import ModelArgs
 from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.distributed.parallel import SINGLE, ParallelConfig, all_gather, all_reduce
 from m3lm.distributed.shard import check_mxfp8_split, head_ranges, part
-from m3lm.kernels.fp8 import MX_BLOCK, moe_experts_mxfp8, quantize_mxfp8
-from m3lm.kernels.moe import moe_experts_ref
-from m3lm.kernels.msa import msa_attention_ref, msa_attention_sdpa, msa_select_ref
+from m3lm.kernels.fp8 import MX_BLOCK, quantize_mxfp8
+from m3lm.kernels.moe import SPLIT_ROUTER_MIN_T, MoEOutput, moe, route, router_logits, split_bf16
 from m3lm.layers.linear import MXFP8Linear, fp8_parameter, packed_linear, packed_rows, to_mxfp8_
 from m3lm.layers.mlp import MLP
-from m3lm.layers.moe import SPLIT_ROUTER_MIN_T, MoEOutput, route, router_logits, split_bf16
-from m3lm.layers.norm import RMSNorm, add_rms_norm
-from m3lm.layers.rotary import norm_rope, rope_cos_sin
-
-
-def _attention(q, k, v, pos, scale, block_ids=None, block_size=0, first: int | None = None) -> torch.Tensor:
-    """Attention of one sequence's queries: GPU kernels on the GPU, the plain reference on the CPU.
-
-    On the GPU a whole sequence with no selection takes PyTorch's causal flash kernel; anything
-    else (block-sparse, or a chunk after cached keys) the block-sparse Triton kernel.
-    """
-    if not q.is_cuda:
-        return msa_attention_ref(q, k, v, pos, scale, block_ids, block_size)
-    if block_ids is None and k.shape[0] == q.shape[0]:
-        return msa_attention_sdpa(q, k, v, pos, scale)
-    from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
-
-    return msa_prefill_attention(q, k, v, pos, scale, block_ids, block_size or 128, first)
-
-
-def _select(iq, ik, pos, block_size, topk, local, init, first: int | None = None) -> torch.Tensor | None:
-    """Per-KV-group block selection (`msa_select_ref`), scored by a Triton kernel on the GPU."""
-    if not iq.is_cuda:
-        return msa_select_ref(iq, ik, pos, block_size, topk, local, init)
-    from m3lm.kernels.msa_prefill_triton import msa_select
-
-    return msa_select(iq, ik, pos, block_size, topk, local, init, first)
+from m3lm.layers.msa_attention import MSAAttention
+from m3lm.layers.norm import RMSNorm
+from m3lm.layers.rotary import norm_rope
 
 
 class Attention(nn.Module):
@@ -79,18 +53,34 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, c, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype)  # one vector shared by all heads
         self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype)
+        self.msa = args.msa if self.sparse else None
+        self.dims = (h, k, d, args.index_head_dim if self.sparse else 0)  # as `decode_heads` takes them
         if self.sparse:
             di = args.index_head_dim
             self.index_q_proj = nn.Linear(c, k * di, bias=False, dtype=dtype)  # index head h = KV group h
             self.index_k_proj = nn.Linear(c, di, bias=False, dtype=dtype)  # one index-key head
             self.index_q_norm = RMSNorm(di, args.rms_norm_eps, dtype)
             self.index_k_norm = RMSNorm(di, args.rms_norm_eps, dtype)
-            self.msa = (
-                args.index_block_size,
-                args.index_topk_blocks,
-                args.index_local_blocks,
-                args.index_init_blocks,
-            )
+        self.attn = MSAAttention(layer_idx, self.scale, self.msa)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | DecodeBatch) -> torch.Tensor:
+        """x [T, C] -> [T, C]. RoPE comes from the batch's table (`ForwardBatch.rope`), made
+        after the projections are queued."""
+        y, outs = self._products(x)  # [T, W] on the GPU, else None; its column slices
+        cos, sin = batch.rope(*self.rotary)  # [T, R/2]
+        heads = None
+        if isinstance(batch, DecodeBatch):  # on the GPU one launch: heads, and k, v into the caches
+            heads = self.attn.decode_heads(y, self.dims, self._norms(), self.q_norm.eps, cos, sin, batch)
+        if heads is None:
+            q, k, v, iq, ik = self._heads(outs, cos, sin)
+        else:
+            (q, iq), k, v, ik = heads, None, None, None
+        return self.o_proj(self.attn(q, k, v, iq, ik, batch).flatten(1))  # [T, C]
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """x [T, C] -> q [T, H, D], k and v [T, K, D] and, on sparse layers, index queries
+        [T, K, Di] and keys [T, Di] (else None): projections, per-head norms and RoPE."""
+        return self._heads(self._products(x)[1], cos, sin)
 
     def _products(self, x: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """x [T, C] -> (the packed output [T, W] on the GPU, else None; the q, k, v (index q,
@@ -109,113 +99,18 @@ class Attention(nn.Module):
         heads = (self.q_norm, self.k_norm) + ((self.index_q_norm, self.index_k_norm) if self.sparse else ())
         return tuple(n.weight for n in heads)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
-        """x [T, C] -> q [T, H, D], k and v [T, K, D] and, on sparse layers, index queries
-        [T, K, Di] and keys [T, Di] (else None): projections, per-head norms and RoPE."""
-        return self._heads(self._products(x)[1], cos, sin)
-
     def _heads(self, outs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """`project` from the projections `outs` (`_products`)."""
         t, eps = outs[0].shape[0], self.q_norm.eps
         norms = self._norms()
-        q = norm_rope(outs[0].view(t, self.n_heads, -1), norms[0], eps, cos, sin)
-        k = norm_rope(outs[1].view(t, self.n_kv, -1), norms[1], eps, cos, sin)
-        v = outs[2].view(t, self.n_kv, -1)
+        q = norm_rope(outs[0].view(t, self.n_heads, -1), norms[0], eps, cos, sin)  # [T, H, D]
+        k = norm_rope(outs[1].view(t, self.n_kv, -1), norms[1], eps, cos, sin)  # [T, K, D]
+        v = outs[2].view(t, self.n_kv, -1)  # [T, K, D]
         if not self.sparse:
             return q, k, v, None, None
-        iq = norm_rope(outs[3].view(t, self.n_kv, -1), norms[2], eps, cos, sin)
-        ik = norm_rope(outs[4].view(t, 1, -1), norms[3], eps, cos, sin)[:, 0]
+        iq = norm_rope(outs[3].view(t, self.n_kv, -1), norms[2], eps, cos, sin)  # [T, K, Di]
+        ik = norm_rope(outs[4].view(t, 1, -1), norms[3], eps, cos, sin)[:, 0]  # [T, Di]
         return q, k, v, iq, ik
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, C] -> [T, C]. RoPE comes from the batch's table (`ForwardBatch.rope`), made
-        after the projections are queued."""
-        outs = self._products(x)[1]
-        q, k, v, iq, ik = self._heads(outs, *batch.rope(*self.rotary))
-        outs, start, dec = [], 0, batch.decode
-        if dec is not None:  # the leading single-token sequences (a row each), batched
-            start = b = dec.positions.shape[0]
-            self._write_paged(k[:b], v[:b], None if ik is None else ik[:b], dec)
-            outs.append(self._paged(q[:b], None if iq is None else iq[:b], dec))
-        for seq, n in enumerate(batch.q_lens[start:], start):
-            rows = slice(start, start + n)
-            start += n
-            pos = batch.positions[rows]
-            first = batch.first_position(seq)  # host copy of pos[0]: no device read
-            ks, vs = k[rows], v[rows]
-            if batch.kv is not None:
-                ks, vs = batch.kv.update(self.layer_idx, seq, ks, vs)  # [Tk, K, D]
-            if not self.sparse:
-                outs.append(_attention(q[rows], ks, vs, pos, self.scale, first=first))
-                continue
-            iks = ik[rows]
-            if batch.kv is not None:
-                # Index keys join the cache before scoring, so a query sees its own key.
-                iks = batch.kv.update_index(self.layer_idx, seq, iks)  # [Tk, Di]
-            outs.append(self._sparse(q[rows], ks, vs, pos, first, iq[rows], iks, batch.msa_dense_window))
-        return self.o_proj((outs[0] if len(outs) == 1 else torch.cat(outs)).flatten(1))  # [T, C]
-
-    def _sparse(self, q, k, v, pos, first: int, iq, ik, dense_window: float | None) -> torch.Tensor:
-        """MSA for one sequence's queries at consecutive positions from `first`.
-
-        With the opt-in `dense_window` F, queries at t < F * topk * S attend densely.
-        """
-        block_size, topk = self.msa[0], self.msa[1]
-        limit = int(dense_window * topk * block_size) if dense_window else 0
-        n_dense = min(max(limit - first, 0), q.shape[0])  # a prefix of the queries
-        if n_dense == q.shape[0]:
-            return _attention(q, k, v, pos, self.scale, first=first)
-        if n_dense:
-            head = _attention(q[:n_dense], k, v, pos[:n_dense], self.scale, first=first)
-            tail = self._sparse(q[n_dense:], k, v, pos[n_dense:], limit, iq[n_dense:], ik, None)
-            return torch.cat([head, tail])
-        block_ids = _select(iq, ik, pos, *self.msa, first=first)  # [K, n, k], or None when exactly dense
-        return _attention(q, k, v, pos, self.scale, block_ids, block_size, first=first)
-
-    def decode(self, x: torch.Tensor, dec: DecodeBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence over the paged caches (GPU kernels; no host sync): [B, C] -> [B, C]."""
-        from m3lm.kernels import fused
-
-        cache, layer = dec.cache, self.layer_idx
-        y, outs = self._products(x)
-        if y is not None and cache.k[layer].dtype == y.dtype and layer not in cache.ik_scale:
-            # One launch: every head normed and rotated, k, v and the index key into the caches.
-            di = self.index_q_proj.out_features // self.n_kv if self.sparse else 0
-            q, iq = fused.decode_heads(
-                y, (self.n_heads, self.n_kv, self.head_dim, di), self._norms(), self.q_norm.eps, cos, sin,
-                cache.k[layer], cache.v[layer], cache.ik.get(layer), dec.pages, dec.slots,
-            )  # fmt: skip
-        else:
-            q, k, v, iq, ik = self._heads(outs, cos, sin)
-            self._write_paged(k, v, ik, dec)
-        return self.o_proj(self._paged(q, iq, dec).flatten(1))  # [B, C]
-
-    def _write_paged(
-        self, k: torch.Tensor, v: torch.Tensor, ik: torch.Tensor | None, dec: DecodeBatch
-    ) -> None:
-        """k, v [B, K, D] and the index keys [B, Di] of B new tokens into the caches at dec's slots."""
-        cache, layer = dec.cache, self.layer_idx
-        cache.k[layer][dec.pages, dec.slots] = k.to(cache.k[layer].dtype)
-        cache.v[layer][dec.pages, dec.slots] = v.to(cache.v[layer].dtype)
-        if self.sparse:
-            cache.write_index(layer, (dec.pages, dec.slots), ik)
-
-    def _paged(self, q: torch.Tensor, iq: torch.Tensor | None, dec: DecodeBatch) -> torch.Tensor:
-        """Attention of B new tokens q [B, H, D] (index queries iq [B, K, Di]) over the paged
-        caches, their own keys already there (GPU kernels) -> [B, H, D]."""
-        from m3lm.kernels import msa_triton
-
-        cache, layer = dec.cache, self.layer_idx
-        block_ids = None
-        if self.sparse:
-            scale = cache.ik_scale.get(layer)  # per-position scales of fp8 index keys, else None
-            scores = msa_triton.index_block_scores(
-                iq, cache.ik[layer], dec.tables, dec.lens, scale
-            )  # [B, K, MAXP]
-            block_ids = msa_triton.select_blocks(scores, dec.lens, *self.msa)  # [B, K, k]
-        return msa_triton.paged_attention(
-            q, cache.k[layer], cache.v[layer], dec.tables, dec.lens, self.scale, block_ids
-        )
 
 
 class Experts(nn.Module):
@@ -256,6 +151,12 @@ class Experts(nn.Module):
             setattr(self, name, q)
             setattr(self, name + "_scale", s)
 
+    def stacked(self) -> tuple[torch.Tensor, ...]:
+        """(w1, w3, w2), or each 8-bit one followed by its scales, as `kernels.moe.moe` takes them."""
+        if self.w1.dtype == torch.float8_e4m3fn:
+            return self.w1, self.w1_scale, self.w3, self.w3_scale, self.w2, self.w2_scale
+        return self.w1, self.w3, self.w2
+
 
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype, parallel: ParallelConfig = SINGLE):
@@ -269,6 +170,16 @@ class MoE(nn.Module):
         self.shared_experts = MLP(
             args.hidden_size, _width(args.shared_intermediate_size, parallel), args.swiglu_alpha,
             args.swiglu_limit, dtype,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | MoEOutput:
+        """x [T, C] -> the output [T, C], or on the GPU's pair path the pairs not yet summed."""
+        logits = router_logits(x, self.gate.weight, self._router_split(x))  # [T, E] fp32
+        weights, ids = route(logits, self.e_score_correction_bias, self.top_k)  # [T, A]
+        ex = self.experts
+        return moe(
+            x, weights, ids, ex.stacked(), self.shared_experts, self.alpha, self.limit, self.scaling,
+            first=ex.first if ex.partitioned else None, shared_fp8=self._shared_fp8(),
         )  # fmt: skip
 
     def _router_split(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -292,50 +203,6 @@ class MoE(nn.Module):
             return None
         return tuple(t for lin in lins for t in (lin.weight, lin.weight_scale))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.unsummed(x)
-        return out.sum() if isinstance(out, MoEOutput) else out
-
-    def unsummed(self, x: torch.Tensor) -> torch.Tensor | MoEOutput:
-        """x [T, C] -> the output [T, C], or on the GPU's pair path the pairs not yet summed."""
-        logits = router_logits(x, self.gate.weight, self._router_split(x))  # [T, E] fp32
-        weights, ids = route(logits, self.e_score_correction_bias, self.top_k)  # [T, A]
-        ex = self.experts
-        fp8 = ex.w1.dtype == torch.float8_e4m3fn  # weight-only FP8 experts (dequantised on the CPU)
-        if fp8:
-            experts, stacked = moe_experts_mxfp8, (ex.w1, ex.w1_scale, ex.w3, ex.w3_scale, ex.w2, ex.w2_scale)
-        else:
-            experts, stacked = moe_experts_ref, (ex.w1, ex.w3, ex.w2)
-        if x.is_cuda and not ex.partitioned:
-            # Triton (imported here so CPU installs need no Triton): the grouped GEMMs leave one
-            # output per token-expert pair (bf16: unweighted, rounded as the reference's product;
-            # MXFP8: weighted, fp32); one pass weights and sums them, scales, adds the shared
-            # expert and casts (`MoEOutput`).
-            from m3lm.kernels.moe_fp8_triton import moe_pairs_fp8, pair_path
-            from m3lm.kernels.moe_triton import moe_pairs
-
-            shared = self._shared_fp8() if fp8 and pair_path(x.shape[0] * self.top_k) else None
-            if shared is not None:  # a decode step: the shared expert runs in the routed experts' launches
-                pairs, out = moe_pairs_fp8(x, weights, ids, *stacked, self.alpha, self.limit, shared=shared)
-                return MoEOutput(pairs, out, self.scaling)
-            if fp8:
-                pairs = moe_pairs_fp8(x, weights, ids, *stacked, self.alpha, self.limit)  # [T, A, C] fp32
-                return MoEOutput(pairs, self.shared_experts(x), self.scaling)
-            pairs = moe_pairs(x, ids, *stacked, self.alpha, self.limit)  # [T, A, C] in x's dtype
-            return MoEOutput(pairs, self.shared_experts(x), self.scaling, weights)
-        if x.is_cuda and not fp8:
-            from m3lm.kernels.moe_triton import moe_experts as experts
-        if ex.partitioned:
-            routed = _local_experts(experts, x, weights, ids, ex.first, stacked, self.alpha, self.limit)
-        else:
-            routed = experts(x, weights, ids, *stacked, self.alpha, self.limit)  # [T, C] fp32
-        # routed_scaling_factor scales the routed sum only; the shared expert enters at 1.0.
-        return (routed * self.scaling + self.shared_experts(x).float()).to(x.dtype)
-
-
-# A layer's output not yet added to the residual stream: a tensor, a MoE's pairs, or nothing.
-Pending = torch.Tensor | MoEOutput | None
-
 
 class DecoderLayer(nn.Module):
     def __init__(
@@ -354,38 +221,24 @@ class DecoderLayer(nn.Module):
                 args.swiglu_limit, dtype,
             )  # fmt: skip
 
-    def forward(self, h: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, Pending]:
-        """(residual stream h [T, C], its input norm x [T, C]) -> (h, this layer's MLP/MoE output,
-        not yet added). The caller adds that output to h together with the next norm (`add_norm`),
-        and on the GPU sums a MoE's pairs in that same pass (`MoEOutput`)."""
-        return self._run(h, x, lambda x: self.self_attn(x, batch))
-
-    def decode(
-        self, h: torch.Tensor, x: torch.Tensor, dec: DecodeBatch, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, Pending]:
-        """`forward` for one new token per sequence over the paged caches."""
-        return self._run(h, x, lambda x: self.self_attn.decode(x, dec, cos, sin))
-
-    def _run(self, h: torch.Tensor, x: torch.Tensor, attend) -> tuple[torch.Tensor, Pending]:
-        # Under tensor parallelism both branches return partial sums over this rank's heads/width.
-        h, x = add_norm(h, all_reduce(attend(x), self.parallel), self.post_attention_layernorm)
-        ffn = self.ffn
-        if self.parallel.world == 1 and isinstance(ffn, MoE):
-            return h, ffn.unsummed(x)  # summed by the next add_norm
-        return h, all_reduce(ffn(x), self.parallel)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch | DecodeBatch
+    ) -> tuple[torch.Tensor | MoEOutput, torch.Tensor]:
+        """(input norm x [T, C] of the residual stream [T, C]) -> (this layer's MLP/MoE output, not
+        yet added; the residual stream). The next norm adds that output (`RMSNorm(x, residual)`):
+        on one GPU a MoE's pairs are summed in that same pass (`MoEOutput`). The caller applies
+        the input norm, so that the previous output is freed before this layer runs."""
+        # Under tensor parallelism both branches leave partial sums over this rank's heads/width.
+        x = all_reduce(self.self_attn(x, batch), self.parallel)
+        x, residual = self.post_attention_layernorm(x, residual)
+        x = self.ffn(x)
+        if self.parallel.world > 1:
+            x = all_reduce(x.sum() if isinstance(x, MoEOutput) else x, self.parallel)
+        return x, residual
 
     @property
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-
-
-def add_norm(h: torch.Tensor, pending: Pending, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + pending, norm(h + pending)), or (h, norm(h)) when nothing is pending."""
-    if pending is None:
-        return h, norm(h)
-    if isinstance(pending, MoEOutput):
-        return pending.add_rms_norm(h, norm.weight, norm.eps)
-    return add_rms_norm(h, pending, norm.weight, norm.eps)
 
 
 class Decoder(nn.Module):
@@ -399,18 +252,19 @@ class Decoder(nn.Module):
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
-    def embed_norm(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(embeddings [T, C], the first layer's input norm of them, or None without layers):
-        one pass on the GPU."""
+    def embed_norm(self, tokens: torch.Tensor, fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens [T] -> (the first layer's input norm of their embeddings, the embeddings), both
+        [T, C] (without layers: the embeddings, None); one pass on one GPU with `fuse`."""
         if not len(self.layers):
             return self.embed(tokens), None
         norm = self.layers[0].input_layernorm
-        if tokens.is_cuda and self.parallel.world == 1:
+        if fuse and tokens.is_cuda and self.parallel.world == 1:
             from m3lm.kernels import fused
 
-            return fused.embed_rms_norm(tokens, self.embed_tokens.weight, norm.weight, norm.eps)
+            h, x = fused.embed_rms_norm(tokens, self.embed_tokens.weight, norm.weight, norm.eps)
+            return x, h
         h = self.embed(tokens)
-        return h, norm(h)
+        return norm(h), h
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T] -> [T, C]; vocab-parallel: rows of other ranks are zero, then summed."""
@@ -426,23 +280,6 @@ def _width(n: int, parallel: ParallelConfig) -> int:
     """This rank's share of a column/row-parallel MLP width."""
     lo, hi = part(n, parallel, "intermediate width")
     return hi - lo
-
-
-def _local_experts(
-    experts, x, weights, ids, first: int, stacked: tuple, alpha: float, limit: float
-) -> torch.Tensor:
-    """Expert parallelism: only the (token, expert) pairs whose expert lives on this rank -> [T, C] fp32.
-
-    `stacked`: the rank's experts first .. first+E/N-1 as `experts` takes them (w1, w3, w2, or each
-    8-bit one followed by its scales), leading dim E/N."""
-    local = (ids >= first) & (ids < first + stacked[0].shape[0])  # [T, A]
-    tok, slot = local.nonzero(as_tuple=True)  # [M]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if tok.numel():
-        pair_ids = (ids[tok, slot] - first)[:, None]  # [M, 1]
-        y = experts(x[tok], weights[tok, slot][:, None], pair_ids, *stacked, alpha, limit)  # [M, C]
-        out.index_add_(0, tok, y)
-    return out
 
 
 class MiniMaxM3(nn.Module):
@@ -475,37 +312,23 @@ class MiniMaxM3(nn.Module):
         return self.forward_batch(input_ids.flatten(), batch).view(b, t, -1)
 
     def forward_batch(
-        self, tokens: torch.Tensor, batch: ForwardBatch, logits_rows: torch.Tensor | None = None
+        self, tokens: torch.Tensor, batch: ForwardBatch | DecodeBatch, logits_rows: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Packed tokens [T] -> fp32 logits [T, V], or only at `logits_rows` [R] -> [R, V]."""
-        (h, x), pending = self.model.embed_norm(tokens), None  # [T, C], no embedding scaling
-        for layer in self.model.layers:  # RoPE tables: `ForwardBatch.rope`, once, in layer 0
-            if x is None:  # layer 0's input norm came with the embedding
-                h, x = add_norm(h, pending, layer.input_layernorm)
-            pending = None  # freed before the layer runs (a MoE's pairs: A times its output's size)
-            h, pending = layer(h, x, batch)
-            x = None
-        if logits_rows is not None:
-            h, pending = h[logits_rows], None if pending is None else pending[logits_rows]
-        return all_gather(
-            self.lm_head(add_norm(h, pending, self.model.norm)[1]).float(), self.parallel
-        )  # [T, V]
+        """Packed tokens [T] -> fp32 logits [T, V], or only at `logits_rows` [R] -> [R, V].
 
-    def decode(self, tokens: torch.Tensor, dec: DecodeBatch) -> torch.Tensor:
-        """One decode step for B sequences on the GPU: tokens [B] at dec.positions -> fp32 logits [B, V].
-
-        Static shapes and no host synchronisation, so a step can be captured in a CUDA graph.
+        A `DecodeBatch` (one new token for each of B sequences over the paged caches, on the GPU)
+        has static shapes and no host synchronisation, so its step can be captured in a CUDA graph.
         """
-        a = self.args
-        h, pending = self.model.embed(tokens), None  # [B, C]
-        cos, sin = rope_cos_sin(dec.positions, a.rotary_dim, a.rope_theta)
-        for layer in self.model.layers:
-            h, x = add_norm(h, pending, layer.input_layernorm)
-            pending = None
-            h, pending = layer.decode(h, x, dec, cos, sin)
-        return all_gather(
-            self.lm_head(add_norm(h, pending, self.model.norm)[1]).float(), self.parallel
-        )  # [B, V]
+        decode = isinstance(batch, DecodeBatch)
+        x, residual = self.model.embed_norm(tokens, fuse=not decode)  # [T, C] each, no embedding scaling
+        for i, layer in enumerate(self.model.layers):
+            if i:  # the previous output joins the residual stream (a MoE's pairs, A times [T, C], freed)
+                x, residual = layer.input_layernorm(x, residual)
+            x, residual = layer(x, residual, batch)
+        if logits_rows is not None:
+            x, residual = x[logits_rows], None if residual is None else residual[logits_rows]
+        x = self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]  # None: no layers
+        return all_gather(self.lm_head(x).float(), self.parallel)  # [T, V]
 
 
 MXFP8_LINEARS = (
@@ -654,87 +477,6 @@ def _stacked(base: str, kind: str, shape: tuple[int, ...], args: ModelArgs) -> R
     if packed:
         pieces.append(Piece(sh + "down_proj.weight", None, (n_exp,)))
     return Remapped(tuple(pieces), (rows, c, i))
-
-
-def release_config(
-    *,
-    vocab_size: int,
-    hidden_size: int,
-    num_hidden_layers: int,
-    num_attention_heads: int,
-    num_key_value_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    rope_theta: float,
-    max_position_embeddings: int,
-    dense_layers: int,
-    dense_intermediate_size: int,
-    intermediate_size: int,
-    shared_intermediate_size: int,
-    num_local_experts: int,
-    num_experts_per_tok: int,
-    index_head_dim: int,
-    block_size: int,
-    topk_blocks: int,
-    local_blocks: int,
-) -> dict[str, Any]:
-    """A release-style config.json: the first `dense_layers` layers are dense MLP + full attention,
-    the rest MoE + MSA, as in the release (3 dense layers of 60)."""
-    kinds = [0] * dense_layers + [1] * (num_hidden_layers - dense_layers)
-    text = {
-        "model_type": "minimax_m3",
-        "architectures": ["MiniMaxM3SparseForCausalLM"],
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_hidden_layers,
-        "num_attention_heads": num_attention_heads,
-        "num_key_value_heads": num_key_value_heads,
-        "head_dim": head_dim,
-        "rotary_dim": rotary_dim,
-        "partial_rotary_factor": rotary_dim / head_dim,
-        "rope_theta": rope_theta,
-        "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "swigluoai",
-        "swiglu_alpha": 1.702,
-        "swiglu_limit": 7.0,
-        "use_gemma_norm": True,
-        "use_qk_norm": True,
-        "qk_norm_type": "per_head",
-        "attention_output_gate": False,
-        "intermediate_size": intermediate_size,
-        "dense_intermediate_size": dense_intermediate_size,
-        "shared_intermediate_size": shared_intermediate_size,
-        "n_shared_experts": 1,
-        "num_local_experts": num_local_experts,
-        "num_experts_per_tok": num_experts_per_tok,
-        "scoring_func": "sigmoid",
-        "use_routing_bias": True,
-        "routed_scaling_factor": 2.0,
-        "norm_topk_prob": True,
-        "moe_layer_freq": kinds,
-        "tie_word_embeddings": False,
-        "sparse_attention_config": {
-            "use_sparse_attention": True,
-            "sparse_score_type": "max",
-            "sparse_attention_freq": kinds,
-            "sparse_disable_index_value": kinds,
-            "sparse_num_index_heads": num_key_value_heads,
-            "sparse_index_dim": index_head_dim,
-            "sparse_block_size": block_size,
-            "sparse_topk_blocks": topk_blocks,
-            "sparse_init_block": 0,
-            "sparse_local_block": local_blocks,
-        },
-        "num_mtp_modules": 0,
-    }
-    return {
-        "model_type": "minimax_m3_vl",
-        "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
-        "text_config": text,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
 
 
 def release_name(param: str, slot: int | None = None) -> str:
