@@ -144,12 +144,13 @@ def test_serve_passes_the_pool_flags(monkeypatch):
     from m3lm.cli import main
 
     seen = {}
-    monkeypatch.setattr(app, "serve", lambda *a, **k: seen.update(k))
+    monkeypatch.setattr(app, "serve", lambda load, **k: seen.update(k, load=load))
     assert (
         main(["serve", "--kv-cache-memory", "64MiB", "--load-format", "dummy", "--skip-tokenizer-init"]) == 0
     )
     assert seen["kv_cache_memory"] == 64 << 20 and seen["gpu_memory_utilization"] == 0.9
-    assert "kv_cache_tokens" not in seen and seen["load_format"] == "dummy" and seen["skip_tokenizer_init"]
+    load = seen["load"]
+    assert "kv_cache_tokens" not in seen and load.load_format == "dummy" and load.skip_tokenizer_init
 
 
 @pytest.fixture(scope="module")
