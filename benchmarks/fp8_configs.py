@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import report
 
-from m3lm.bench import _graph_ms
+from m3lm.bench.timing import graph_ms
 from m3lm.kernels.fp8_triton import GEMV_MAX_T, Config, matmul_config, mxfp8_matmul
 
 SHAPES = {  # name: weight [O, In]
@@ -155,7 +155,7 @@ def graph_us(fns: list) -> float | None:
     """Median us per call of fns captured back to back in one CUDA graph (as a decode step runs
     them: no launch overhead between kernels), None when a configuration does not compile."""
     try:
-        return _graph_ms(lambda: [fn() for fn in fns], 20) * 1e3 / len(fns)
+        return graph_ms(lambda: [fn() for fn in fns], 20) * 1e3 / len(fns)
     except Exception:
         return None
 

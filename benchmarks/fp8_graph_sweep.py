@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import report
 
-from m3lm.bench import _graph_ms
+from m3lm.bench.timing import graph_ms
 from m3lm.kernels import moe_fp8_triton as mf
 from m3lm.kernels.fp8 import quantize_mxfp8
 from m3lm.kernels.fp8_triton import Config, matmul_config, mxfp8_matmul
@@ -51,7 +51,7 @@ COLD_BYTES = 400e6
 
 
 def per_call_us(fn, calls: int) -> float:
-    return _graph_ms(fn, 20) * 1e3 / calls
+    return graph_ms(fn, 20) * 1e3 / calls
 
 
 def dense_case(say, name: str, o: int, k: int, act: str | None, sms: int) -> None:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from m3lm.bench import _time, bench_prefill, build_slice
+from m3lm.bench.run import bench_prefill
+from m3lm.bench.slice import build_slice
+from m3lm.bench.timing import time_ms
 from m3lm.kernels import moe_triton as mt
 from m3lm.kernels.moe import route, router_logits
 
@@ -38,8 +40,8 @@ def cublas() -> None:
         h = torch.randn(rows, WIDTH, device="cuda", dtype=torch.bfloat16)
         w13 = (torch.randn(2 * WIDTH, C, device="cuda") * 0.02).to(torch.bfloat16)
         w2 = (torch.randn(C, WIDTH, device="cuda") * 0.02).to(torch.bfloat16)
-        up = _time(lambda x=x, w=w13: x @ w.T, ITERS)
-        down = _time(lambda h=h, w=w2: h @ w.T, ITERS)
+        up = time_ms(lambda x=x, w=w13: x @ w.T, ITERS)
+        down = time_ms(lambda h=h, w=w2: h @ w.T, ITERS)
         flops = 2 * rows * C * 2 * WIDTH, 2 * rows * WIDTH * C
         print(
             f"cuBLAS {rows} rows: gate_up {up:.3f} ms ({flops[0] / up / 1e9:.0f} TFLOP/s), "
@@ -68,7 +70,7 @@ def fused(name, x, ids, w1, w3, w2, align_m=None, tiles=None, ref=None) -> torch
         )
 
     out = down()
-    t_up, t_down = _time(gate_up, ITERS), _time(down, ITERS)
+    t_up, t_down = time_ms(gate_up, ITERS), time_ms(down, ITERS)
     flops = 2 * m * C * WIDTH * 2, 2 * m * WIDTH * C
     counts = torch.bincount(ids.flatten(), minlength=w1.shape[0]).float()
     check = "" if ref is None else f", outputs equal: {torch.equal(out, ref)}"

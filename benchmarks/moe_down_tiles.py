@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.moe_gluon_down import layer1_inputs
 from benchmarks.step_energy import per_call
-from m3lm.gpu_meter import GpuMeter
+from m3lm.bench.gpu_meter import GpuMeter
 from m3lm.kernels import moe_triton as mt
 
 TILES = {  # (BN, BK, warps, stages, GROUP_M)

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.moe_gluon_down import layer1_inputs
 from benchmarks.step_energy import per_call
-from m3lm.gpu_meter import GpuMeter
+from m3lm.bench.gpu_meter import GpuMeter
 from m3lm.kernels import moe_triton as mt
 from m3lm.kernels.fused import swiglu_packed
 

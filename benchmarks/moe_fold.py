@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks.moe_pair_outputs import ab_args, alternate, last_logits
-from m3lm.bench import build_slice, prefill_step, rested_ms
+from m3lm.bench.slice import build_slice, prefill_step
+from m3lm.bench.timing import rested_ms
 from m3lm.models.minimax_m3 import MoE
 
 ENGINE = MoE.unsummed

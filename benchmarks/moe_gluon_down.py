@@ -30,8 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from benchmarks.step_energy import capture, per_call
-from m3lm.bench import build_slice
-from m3lm.gpu_meter import GpuMeter
+from m3lm.bench.gpu_meter import GpuMeter
+from m3lm.bench.slice import build_slice
 from m3lm.kernels import moe_triton as mt
 from m3lm.kernels.moe import route, router_logits
 

@@ -20,8 +20,9 @@ import statistics
 import torch
 
 from benchmarks.step_energy import capture, per_call
-from m3lm.bench import PREFILL_SECONDS, _measure, build_slice
-from m3lm.gpu_meter import GpuMeter
+from m3lm.bench.gpu_meter import GpuMeter
+from m3lm.bench.slice import build_slice
+from m3lm.bench.timing import PREFILL_SECONDS, measure
 from m3lm.kernels import moe_triton as mt
 from m3lm.kernels.fused import moe_combine
 from m3lm.kernels.moe import route, router_logits
@@ -84,7 +85,7 @@ def alternate(forms: dict, step, rounds: int, extra=lambda: "") -> None:
         for name, form in forms.items():
             MoE.unsummed = form
             more = extra()
-            ms, gpu = _measure(step, 3, gpu=True, seconds=PREFILL_SECONDS)
+            ms, gpu = measure(step, 3, gpu=True, seconds=PREFILL_SECONDS)
             steps[name].append(ms)
             print(f"round {r} {name}: {more}8k step back to back {ms:.2f} ms ({gpu})", flush=True)
     MoE.unsummed = ENGINE

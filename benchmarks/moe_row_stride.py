@@ -23,9 +23,10 @@ import torch
 
 from benchmarks.moe_routings import random_experts, spread
 from benchmarks.step_energy import per_call
-from m3lm.bench import PREFILL_SECONDS, _measure, build_slice, prefill_step
+from m3lm.bench.gpu_meter import GpuMeter
+from m3lm.bench.slice import build_slice, prefill_step
+from m3lm.bench.timing import PREFILL_SECONDS, measure
 from m3lm.core import ForwardBatch
-from m3lm.gpu_meter import GpuMeter
 from m3lm.kernels import moe_triton as mt
 
 T, A, E, C = 8192, 4, 128, 6144
@@ -95,7 +96,7 @@ def step_ab(pads: list[int], rounds: int, layers: int = 4, length: int = 8192) -
                 logits = model.forward_batch(ids, batch, last)  # [1, V]
             want = logits if want is None else want
             assert torch.equal(logits, want), pad
-            ms, gpu = _measure(step, 10, gpu=True, seconds=PREFILL_SECONDS)
+            ms, gpu = measure(step, 10, gpu=True, seconds=PREFILL_SECONDS)
             joules = f", {gpu.watts * ms / 1e3:.1f} J a step" if gpu and gpu.watts else ""
             print(
                 f"step round {r} pad {pad}: {ms:.2f} ms ({length / ms * 1e3:,.0f} tok/s){joules}; {gpu}",

@@ -45,7 +45,7 @@ import triton.language as tl
 from benchmarks.moe_gluon_down import layer1_inputs
 from benchmarks.moe_routings import A, E, T, random_experts, spread
 from benchmarks.step_energy import per_call
-from m3lm.gpu_meter import GpuMeter
+from m3lm.bench.gpu_meter import GpuMeter
 from m3lm.kernels import moe_triton as mt
 from m3lm.kernels.host import precision
 from m3lm.kernels.moe_triton import _gate_up_rows, _program, _rows_tile, _slot_rows, _swiglu, _tail

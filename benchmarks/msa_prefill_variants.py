@@ -234,8 +234,8 @@ def _inputs_8k(model):
 
 
 def _inputs_long(kind: str, length: int):
-    from m3lm.bench import release_slice_config
-    from m3lm.bench_attention import selection
+    from m3lm.bench.attention import selection
+    from m3lm.bench.slice import release_slice_config
     from m3lm.config import parse_config
 
     a = parse_config(release_slice_config(4))
@@ -292,7 +292,7 @@ def _steps(model, rounds: int, seconds: float, meter) -> None:
     import functools
 
     from benchmarks.step_energy import per_call
-    from m3lm.bench import prefill_step
+    from m3lm.bench.slice import prefill_step
     from m3lm.kernels import msa_prefill_triton as mp
 
     engine = mp.msa_prefill_attention
@@ -311,8 +311,8 @@ def _steps(model, rounds: int, seconds: float, meter) -> None:
 
 
 def main() -> None:
-    from m3lm.bench import build_slice
-    from m3lm.gpu_meter import GpuMeter
+    from m3lm.bench.gpu_meter import GpuMeter
+    from m3lm.bench.slice import build_slice
 
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=3)

@@ -14,8 +14,8 @@ import sys
 import torch
 import triton
 
-from m3lm.bench import build_slice
-from m3lm.bench_attention import selection
+from m3lm.bench.attention import selection
+from m3lm.bench.slice import build_slice
 from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
 
 CONFIGS = [

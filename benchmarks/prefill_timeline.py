@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import m3lm.kernels.moe_triton as mt
-from m3lm.bench import build_slice, prefill_step
+from m3lm.bench.slice import build_slice, prefill_step
 
 
 def padding(counts: torch.Tensor) -> str:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from m3lm.bench import build_slice
+from m3lm.bench.slice import build_slice
 from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams
 from m3lm.engine.engine import LLMEngine

@@ -343,7 +343,8 @@ print(json.dumps({"seconds": seconds, "tokens": tokens}))
 
 KERNEL = """
 import json, sys
-from m3lm.bench import bench_decode, build_slice
+from m3lm.bench.run import bench_decode
+from m3lm.bench.slice import build_slice
 spec = json.load(sys.stdin)
 model = build_slice(spec["layers"])
 print(json.dumps({c: bench_decode(model, b, ctx, 50).ms for c, (b, ctx) in spec["cases"].items()}))

@@ -23,8 +23,8 @@ import torch
 
 import m3lm.kernels.msa as msa
 import m3lm.kernels.msa_prefill_triton as mp
-from m3lm.bench import build_slice, prefill_step
-from m3lm.gpu_meter import GpuMeter
+from m3lm.bench.gpu_meter import GpuMeter
+from m3lm.bench.slice import build_slice, prefill_step
 from m3lm.kernels import moe_triton as mt
 from m3lm.kernels.moe import route, router_logits
 

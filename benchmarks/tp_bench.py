@@ -54,7 +54,7 @@ from tp_slice import (  # noqa: E402
     table,
 )
 
-from m3lm.bench import event_ms  # noqa: E402
+from m3lm.bench.timing import event_ms  # noqa: E402
 from m3lm.cache.kv_cache import KVCache, PagedKV  # noqa: E402
 from m3lm.core import DecodeBatch, ForwardBatch  # noqa: E402
 from m3lm.distributed.launch import COLLECTIVE_TIMEOUT_S, free_port, rank_device  # noqa: E402

@@ -19,7 +19,7 @@ import zlib
 import torch
 from torch import nn
 
-from m3lm.bench import release_slice_config
+from m3lm.bench.slice import release_slice_config
 from m3lm.config import ModelArgs, parse_config, release_config
 from m3lm.distributed.parallel import ParallelConfig
 from m3lm.distributed.shard import param_shard

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from report import append_section, device
 
-from m3lm.bench import build_slice
+from m3lm.bench.slice import build_slice
 from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams
 from m3lm.engine.engine import LLMEngine
