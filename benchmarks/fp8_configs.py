@@ -31,10 +31,7 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import report
-
+from m3lm.bench import report
 from m3lm.bench.timing import graph_ms
 from m3lm.kernels.fp8_triton import GEMV_MAX_T, Config, matmul_config, mxfp8_matmul
 

@@ -18,15 +18,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import report
-
+from m3lm.bench import report
 from m3lm.bench.timing import graph_ms
 from m3lm.kernels import moe_fp8_triton as mf
 from m3lm.kernels.fp8 import quantize_mxfp8

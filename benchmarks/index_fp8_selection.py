@@ -19,10 +19,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import report
-
 import m3lm
+from m3lm.bench import report
 from m3lm.cache.kv_cache import KVCache, PagedKV
 from m3lm.core import ForwardBatch
 from m3lm.models import minimax_m3
@@ -102,7 +100,7 @@ def main() -> None:
     print(body)
     if args.out:
         details = [
-            f"Device: {report.device()}, torch {torch.__version__}",
+            f"Device: {report.machine()}, torch {torch.__version__}",
             f"Model: embedded story model ({sum(a.sparse_layers)} sparse layers, block {a.index_block_size}, "
             f"top-{a.index_topk_blocks}); text: {args.seqs} windows of {args.tokens} tokens of {DATA.name}; "
             "reference: index keys in fp32.",

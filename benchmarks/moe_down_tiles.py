@@ -15,9 +15,9 @@ import argparse
 
 import torch
 
-from benchmarks.moe_gluon_down import layer1_inputs
-from benchmarks.step_energy import per_call
 from m3lm.bench.gpu_meter import GpuMeter
+from m3lm.bench.inputs import layer1_inputs
+from m3lm.bench.timing import per_call
 from m3lm.kernels import moe_triton as mt
 
 TILES = {  # (BN, BK, warps, stages, GROUP_M)

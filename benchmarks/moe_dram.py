@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.moe_gluon_down import layer1_inputs
-from benchmarks.moe_routings import A, E, routings
+from m3lm.bench.inputs import A, E, layer1_inputs, routings
 from m3lm.kernels import moe_triton as mt
 
 

@@ -17,7 +17,6 @@ T * 4 / E pairs an expert, no padding) and, for comparison, as PyTorch's grouped
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -25,25 +24,9 @@ import m3lm.kernels.msa as msa
 import m3lm.kernels.msa_prefill_triton as mp
 from m3lm.bench.gpu_meter import GpuMeter
 from m3lm.bench.slice import build_slice, prefill_step
+from m3lm.bench.timing import per_call
 from m3lm.kernels import moe_triton as mt
 from m3lm.kernels.moe import route, router_logits
-
-
-def per_call(meter: GpuMeter, fn, seconds: float) -> tuple[float, float, float]:
-    """(ms, J, W) per call of fn, called back to back for `seconds` after 0.5 s of warm-up."""
-    t_end = time.time() + 0.5
-    while time.time() < t_end:
-        fn()
-    torch.cuda.synchronize()
-    n, e0, t0 = 0, meter.joules(), time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-        if n % 4 == 0:  # keep the host a few calls ahead at most
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    dt, joules = time.perf_counter() - t0, meter.joules() - e0
-    return dt / n * 1e3, joules / n, joules / dt
 
 
 def capture(model, length: int):

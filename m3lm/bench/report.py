@@ -1,10 +1,15 @@
 """The bench's rows against their floors (the bytes a step must read at the measured copy
-bandwidth, its FLOPs at the measured matrix rate) and its markdown report."""
+bandwidth, its FLOPs at the measured matrix rate) and its markdown report; for every benchmark
+script, the machine's description and the dated sections of its results file."""
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
@@ -145,3 +150,26 @@ def markdown(rows: list[Row], command: str, notes: list[str] = ()) -> str:
     if notes:
         lines += ["", *(f"- {n}" for n in notes)]
     return "\n".join(lines) + "\n"
+
+
+def machine() -> str:
+    """CPU model, core count and RAM of this machine."""
+    cpu = platform.processor() or "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
+    return f"{cpu}, {os.cpu_count()} cores, {int(mem.split()[1]) * 1024 / 2**30:.1f} GiB RAM"
+
+
+def append_section(out: Path, title: str, command: str, details: list[str], body: str) -> None:
+    """Append `## <date>`, the command, detail lines and the body to `out` (titled when new)."""
+    date = datetime.now(timezone.utc).strftime("%a %b %d %H:%M:%S UTC %Y")
+    parts = [f"## {date}", f"Command: `{command}`", *details, body]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        f.write(
+            ("\n" if out.exists() and out.stat().st_size else f"# {title}\n\n") + "\n\n".join(parts) + "\n"
+        )
+    print(f"appended to {out}")

@@ -78,3 +78,20 @@ def graph_ms(fn, iters: int) -> float:
     with torch.cuda.graph(graph):
         fn()
     return time_ms(graph.replay, iters)
+
+
+def per_call(meter: GpuMeter, fn, seconds: float) -> tuple[float, float, float]:
+    """(ms, J, W) per call of fn, called back to back for `seconds` after 0.5 s of warm-up."""
+    t_end = time.time() + 0.5
+    while time.time() < t_end:
+        fn()
+    torch.cuda.synchronize()
+    n, e0, t0 = 0, meter.joules(), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+        if n % 4 == 0:  # keep the host a few calls ahead at most
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    dt, joules = time.perf_counter() - t0, meter.joules() - e0
+    return dt / n * 1e3, joules / n, joules / dt
