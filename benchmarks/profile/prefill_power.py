@@ -1,11 +1,11 @@
 """The 8k prefill back to back against the same step after a pause, with the SM clock and power
 (GPU): how much of a step's time the power limit sets.
 
-    PYTHONPATH=. python3 benchmarks/prefill_power.py [--layers 4] [--length 8192] [--rounds 3]
-    PYTHONPATH=. python3 benchmarks/prefill_power.py --kernels
-    PYTHONPATH=. python3 benchmarks/prefill_power.py --heat 60,120,240
-    TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=. python3 benchmarks/prefill_power.py --protocols
-    ncu ... --profile-from-start off python3 benchmarks/prefill_power.py --one-step
+    python3 benchmarks/profile/prefill_power.py [--layers 4] [--length 8192] [--rounds 3]
+    python3 benchmarks/profile/prefill_power.py --kernels
+    python3 benchmarks/profile/prefill_power.py --heat 60,120,240
+    TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/profile/prefill_power.py --protocols
+    ncu ... --profile-from-start off python3 benchmarks/profile/prefill_power.py --one-step
 
 `m3lm bench` times steps back to back (each case after half a second of the same steps), as a
 server busy with prefills would run them. Each round here times ten steps back to back, then ten

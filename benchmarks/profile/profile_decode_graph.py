@@ -1,6 +1,6 @@
 """Kernel timeline of the captured decode step, bf16 and then MXFP8 (GPU).
 
-    PYTHONPATH=. python3 benchmarks/profile_decode_graph.py [--batch 1] [--layers 2] [--out-dir DIR]
+    python3 benchmarks/profile/profile_decode_graph.py [--batch 1] [--layers 2] [--out-dir DIR]
 
 Builds the bench slice (layer 0 dense, the rest MoE + MSA), captures the decode step as the
 engine does (`DecodeGraphs`), times its replay, then profiles three replays and writes, per

@@ -1,6 +1,6 @@
 """Where the time goes: kernel table of one prefill and one eager decode step of the bench slice.
 
-    python3 benchmarks/profile_slice.py --layers 4 --prefill 8192 --decode 1x4096
+    python3 benchmarks/profile/profile_slice.py --layers 4 --prefill 8192 --decode 1x4096
 
 Prints, per phase, the CUDA kernels by total device time and the number of launches, so a
 change can be predicted before it is made (see NOTES.md). Needs a CUDA GPU.

@@ -1,6 +1,6 @@
 """One-row FP8 products timed the way a decode step runs them: inside a CUDA graph, weights cold (GPU).
 
-    PYTHONPATH=. python3 benchmarks/fp8_graph_sweep.py [--out FILE] [--skip-dense] [--skip-moe]
+    python3 benchmarks/tune/fp8_graph_sweep.py [--out FILE] [--skip-dense] [--skip-moe]
 
 Dense: for each projection of the release at batch 1 ([O, In], the gate/up ones packed with
 act="swiglu"), a graph of `mxfp8_matmul` calls on enough copies of the weight (about 400 MB) that
@@ -131,7 +131,7 @@ def main() -> None:
     if args.out:
         dev = f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}"
         report.append_section(
-            args.out, "MXFP8 decode products in a CUDA graph", "PYTHONPATH=. python3 benchmarks/fp8_graph_sweep.py",
+            args.out, "MXFP8 decode products in a CUDA graph", "python3 benchmarks/tune/fp8_graph_sweep.py",
             [dev], "```\n" + "\n".join(lines) + "\n```",
         )  # fmt: skip
 

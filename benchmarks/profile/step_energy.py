@@ -1,6 +1,6 @@
 """Energy of the 8k prefill step and of each kind of work in it, back to back (GPU).
 
-    PYTHONPATH=. python3 benchmarks/step_energy.py [--layers 4] [--length 8192] [--rounds 2]
+    python3 benchmarks/profile/step_energy.py [--layers 4] [--length 8192] [--rounds 2]
 
 Back to back the step runs at the H200's power limit, so its time is its energy over the
 limit's watts, and a kernel gains the step what it saves in joules, not in milliseconds. Each

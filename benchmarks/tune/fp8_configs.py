@@ -17,7 +17,7 @@ are per call inside a CUDA graph of calls on different routings (`graph_us`). Th
 `m3lm/kernels/fp8_triton.py` (GEMV_TILES, GEMV_MIN_BN, GEMV_PROGRAMS_PER_SM) and
 `m3lm/kernels/moe_fp8_triton.py::tiles`.
 
-Run: `PYTHONPATH=. python3 benchmarks/fp8_configs.py [--out FILE] [--dry-run]`.
+Run: `python3 benchmarks/tune/fp8_configs.py [--out FILE] [--dry-run]`.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def main() -> None:
         moe(log)
     if args.out:
         details = [f"Device: {props.name}, torch {torch.__version__}, triton {triton.__version__}"]
-        cmd = "PYTHONPATH=. python3 benchmarks/fp8_configs.py " + " ".join(sys.argv[1:])
+        cmd = "python3 benchmarks/tune/fp8_configs.py " + " ".join(sys.argv[1:])
         body = "```\n" + "\n".join(log.lines) + "\n```"
         report.append_section(args.out, "MXFP8 decode tiles (release dimensions)", cmd, details, body)
 
