@@ -39,10 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import append_section, device
 from serve_bench import Server
+
+from m3lm.bench.report import append_section, machine
 
 KEY = "sk-flood-bench"
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "m3lm" / "assets" / "story")
@@ -276,7 +275,7 @@ def main() -> int:
             a.out,
             "Connection flood: tricklers after a 401 and idle sockets against an authenticated client",
             command,
-            [f"Device: {device()}", f"Model: {a.model}"],
+            [f"Device: {machine()}", f"Model: {a.model}"],
             body,
         )
     return 0 if passed else 1

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import append_section, device
+from m3lm.bench.report import append_section, machine
 
 SETTINGS = {  # name: (extra flags, extra environment)
     "default": ([], {}),
@@ -135,7 +134,7 @@ def main() -> None:
             "Decode on a busy CPU",
             "python3 benchmarks/cpu_threads.py " + " ".join(sys.argv[1:]),
             [
-                f"Device: {device()}",
+                f"Device: {machine()}",
                 f"{args.busy} spinning processes beside it; the embedded model, greedy, "
                 f"{args.tokens} tokens, EOS ignored; OMP_WAIT_POLICY as set by m3lm unless the row says",
             ],

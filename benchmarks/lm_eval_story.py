@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-from report import append_section, device
 from serve_bench import Server
 
 import m3lm
+from m3lm.bench.report import append_section, machine
 
 TASK_DIR = Path(__file__).resolve().parent / "lm_eval"
 
@@ -102,7 +102,7 @@ def main() -> None:
         details = [
             f"Server: `python -m m3lm serve --dtype float32` on the embedded model; task "
             f"`benchmarks/lm_eval/story_choice.yaml` (loglikelihood, 4 choices); lm-eval {lm_version or '?'}",
-            f"Device: {device()}",
+            f"Device: {machine()}",
         ]
         append_section(a.out, "lm-eval over HTTP: a loglikelihood task", cmd, details, body)
     if gap > 1e-3 or acc != ref_acc:

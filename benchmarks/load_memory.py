@@ -50,13 +50,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from report import append_section, device  # noqa: E402
-
-from m3lm.config import ModelArgs, release_config  # noqa: E402
-from m3lm.models.minimax_m3 import MiniMaxM3, release_name  # noqa: E402
+from m3lm.bench.report import append_section, machine
+from m3lm.config import ModelArgs, release_config
+from m3lm.models.minimax_m3 import MiniMaxM3, release_name
 
 LAYERS = 9  # layer 0 dense MLP + full attention, layers 1-8 MoE + MSA
 
@@ -278,7 +274,7 @@ def main() -> None:
             title = "Checkpoint load: peak host memory"
     print(table)
     if a.out:
-        details = [f"Device: {device()}; Python {platform.python_version()}, torch {torch.__version__}"]
+        details = [f"Device: {machine()}; Python {platform.python_version()}, torch {torch.__version__}"]
         append_section(a.out, title, command, details, table)
 
 

@@ -19,18 +19,14 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
-
-from report import append_section, device  # noqa: E402
-from tp_slice import slice_args  # noqa: E402
-
-from m3lm.cache.kv_cache import KVCache  # noqa: E402
-from m3lm.config import ModelArgs  # noqa: E402
-from m3lm.distributed.parallel import ParallelConfig  # noqa: E402
-from m3lm.kernels.fp8 import MX_BLOCK  # noqa: E402
-from m3lm.layers.linear import weight_bytes  # noqa: E402
-from m3lm.models.minimax_m3 import MXFP8_LINEARS, MiniMaxM3, keep_mxfp8_  # noqa: E402
+from m3lm.bench.report import append_section, machine
+from m3lm.bench.tp_slice import slice_args
+from m3lm.cache.kv_cache import KVCache
+from m3lm.config import ModelArgs
+from m3lm.distributed.parallel import ParallelConfig
+from m3lm.kernels.fp8 import MX_BLOCK
+from m3lm.layers.linear import weight_bytes
+from m3lm.models.minimax_m3 import MXFP8_LINEARS, MiniMaxM3, keep_mxfp8_
 
 GPU_BYTES = 141e9  # H200 HBM as specified; torch reports about 140 GiB (about 150e9 B): conservative
 GPU_REPORTED = 150e9
@@ -176,7 +172,7 @@ def main() -> None:
     body = report()
     command = "python benchmarks/multi_gpu_plan.py " + shlex.join(sys.argv[1:])
     details = [
-        f"Machine: {device()} (meta-device models only; no weights, no GPU); torch {torch.__version__}"
+        f"Machine: {machine()} (meta-device models only; no weights, no GPU); torch {torch.__version__}"
     ]
     print(body)
     if ns.out:

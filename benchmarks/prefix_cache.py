@@ -1,6 +1,6 @@
 """Time to first token with and without the prefix cache, on the real-dimension slice (GPU).
 
-    PYTHONPATH=. python3 benchmarks/prefix_cache.py [--layers 4] [--prefix 8192] [--suffix 64 512] [--rounds 3]
+    python3 benchmarks/prefix_cache.py [--layers 4] [--prefix 8192] [--suffix 64 512] [--rounds 3]
 
 An engine (`LLMEngine`, bf16, the bench's random slice) serves one request at a time. Each round
 sends a fresh random `--prefix` of tokens (asking for one token), then the same prefix followed
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from m3lm.bench import build_slice
+from m3lm.bench.slice import build_slice
 from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams
 from m3lm.engine.engine import LLMEngine

@@ -62,7 +62,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
-from report import append_section, device
+
+from m3lm.bench.report import append_section, machine
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -343,7 +344,8 @@ print(json.dumps({"seconds": seconds, "tokens": tokens}))
 
 KERNEL = """
 import json, sys
-from m3lm.bench import bench_decode, build_slice
+from m3lm.bench.run import bench_decode
+from m3lm.bench.slice import build_slice
 spec = json.load(sys.stdin)
 model = build_slice(spec["layers"])
 print(json.dumps({c: bench_decode(model, b, ctx, 50).ms for c, (b, ctx) in spec["cases"].items()}))
@@ -624,7 +626,7 @@ def main() -> None:
                 f"/v1/{a.endpoint.replace('chat', 'chat/completions')}, {a.num_requests} requests of "
                 f"{a.input_len} prompt tokens -> {a.output_len} output tokens (ignore_eos, temperature "
                 f"{a.temperature}), streamed",
-                f"Device: {device()}; Python {platform.python_version()}, torch {version('torch')} "
+                f"Device: {machine()}; Python {platform.python_version()}, torch {version('torch')} "
                 f"(client and server on the same machine; load average {load:.2f} at the start)",
             ]
             append_section(
@@ -666,7 +668,7 @@ def main() -> None:
                 if a.response_format
                 else ""
             ),
-            f"Device: {device()}; Python {platform.python_version()}, torch {version('torch')} "
+            f"Device: {machine()}; Python {platform.python_version()}, torch {version('torch')} "
             f"(client and server on the same machine; load average {load:.2f} at the start)",
         ]
         append_section(a.out, "Online serving: throughput and latency", command, details, result)

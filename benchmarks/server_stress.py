@@ -33,10 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import append_section, device
 from serve_bench import Server, scrape
+
+from m3lm.bench.report import append_section, machine
 
 
 @dataclass
@@ -220,7 +219,7 @@ def main() -> None:
             a.out,
             "Server stress: clients over slots, hang-ups, a huge prompt",
             command,
-            [f"Device: {device()}", f"Model: {model}"],
+            [f"Device: {machine()}", f"Model: {model}"],
             body,
         )
     sys.exit(1 if failures else 0)

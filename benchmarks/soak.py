@@ -50,10 +50,9 @@ from importlib.metadata import version
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import append_section, device
 from serve_bench import REPO, Server, percentile, scrape
+
+from m3lm.bench.report import append_section, machine
 
 MIX = {
     "chat_stream": 20,
@@ -470,7 +469,7 @@ def main() -> None:
     if a.out:
         details = [
             f"Server: `{shlex.join(server.argv)}`{'' if a.model else ' (the embedded default model)'}",
-            f"Device: {device()}; Python {platform.python_version()}, torch {version('torch')} "
+            f"Device: {machine()}; Python {platform.python_version()}, torch {version('torch')} "
             f"(client and server on the same machine; load average {load_avg:.2f} at the start)",
         ]
         append_section(a.out, "Soak test: mixed and aborted traffic", command, details, body)

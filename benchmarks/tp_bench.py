@@ -37,13 +37,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tp_check import barrier, check, golden
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
-
-from report import append_section, device  # noqa: E402
-from tp_check import barrier, check, golden  # noqa: E402
-from tp_slice import (  # noqa: E402
+from m3lm.bench.report import append_section, machine
+from m3lm.bench.timing import event_ms
+from m3lm.bench.tp_slice import (
     Depth,
     build_shard,
     parse_decode,
@@ -53,14 +51,12 @@ from tp_slice import (  # noqa: E402
     slice_args,
     table,
 )
-
-from m3lm.bench import event_ms  # noqa: E402
-from m3lm.cache.kv_cache import KVCache, PagedKV  # noqa: E402
-from m3lm.core import DecodeBatch, ForwardBatch  # noqa: E402
-from m3lm.distributed.launch import COLLECTIVE_TIMEOUT_S, free_port, rank_device  # noqa: E402
-from m3lm.distributed.parallel import ParallelConfig, init_group  # noqa: E402
-from m3lm.layers.linear import weight_bytes  # noqa: E402
-from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_  # noqa: E402
+from m3lm.cache.kv_cache import KVCache, PagedKV
+from m3lm.core import DecodeBatch, ForwardBatch
+from m3lm.distributed.launch import COLLECTIVE_TIMEOUT_S, free_port, rank_device
+from m3lm.distributed.parallel import ParallelConfig, init_group
+from m3lm.layers.linear import weight_bytes
+from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_
 
 GRAPHS_NOTE = (
     "CUDA graphs are off under tensor parallelism (collectives are not captured): every step is eager"
@@ -212,7 +208,7 @@ def report(ns, pc: ParallelConfig, dev: torch.device, rows: list[dict], notes: l
         nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
         where = f"{pc.world} x {torch.cuda.get_device_name(dev)}, NCCL {nccl}"
     else:
-        where = f"{pc.world} gloo processes on {device()}"
+        where = f"{pc.world} gloo processes on {machine()}"
     details = [
         f"Machine: {where}; torch {torch.__version__}; NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}",
         f"Group: TP {pc.world}{' with expert parallelism' if pc.ep else ''}; "

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from tp_slice import build_shard, slice_args
 
+from m3lm.bench.tp_slice import build_shard, slice_args
 from m3lm.cache.kv_cache import KVCache, PagedKV
 from m3lm.core import ForwardBatch
 from m3lm.distributed.parallel import SINGLE, ParallelConfig

@@ -23,9 +23,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from report import append_section, device
 
-from m3lm.bench import build_slice
+from m3lm.bench.report import append_section, machine
+from m3lm.bench.slice import build_slice
 from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams
 from m3lm.engine.engine import LLMEngine
@@ -136,7 +136,7 @@ def main() -> None:
     print(body)
     if a.out:
         details = [
-            f"Device: {device()}; torch {torch.__version__}; {a.layers}-layer release slice, "
+            f"Device: {machine()}; torch {torch.__version__}; {a.layers}-layer release slice, "
             f"{'MXFP8' if a.fp8 else 'bf16'}, random weights; max_num_seqs {a.max_num_seqs}, "
             f"max_model_len {a.max_model_len}"
         ]

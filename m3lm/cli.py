@@ -321,14 +321,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise M3lmError("m3lm bench needs an NVIDIA GPU")
-    from m3lm import bench
+    from m3lm.bench.report import markdown
+    from m3lm.bench.run import run
 
     args.decode = [tuple(int(x) for x in item.lower().split("x")) for item in args.decode.split(",") if item]
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     args.attention = [int(x) for x in args.attention.split(",") if x]
     args.quant = [q for q in args.quant.split(",") if q]
-    rows, notes = bench.run(args)
-    report = bench.markdown(rows, "m3lm " + " ".join(sys.argv[1:]), notes)
+    rows, notes = run(args)
+    report = markdown(rows, "m3lm " + " ".join(sys.argv[1:]), notes)
     print(report)
     if args.out:
         with open(args.out, "a") as f:

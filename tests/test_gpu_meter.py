@@ -1,11 +1,11 @@
-"""`m3lm.gpu_meter`: the window arithmetic on the CPU (a scripted meter), absence without a GPU,
+"""`m3lm.bench.gpu_meter`: the window arithmetic on the CPU (a scripted meter), absence without a GPU,
 and the real NVML readings on a GPU (`cuda` marker)."""
 
 import pytest
 import torch
 
-from m3lm import gpu_meter
-from m3lm.gpu_meter import GpuMeter, Window
+from m3lm.bench import gpu_meter
+from m3lm.bench.gpu_meter import GpuMeter, Window
 
 
 class Scripted:

@@ -6,7 +6,7 @@ from checkpoints import Spec, hf_text_config
 
 pytest.importorskip("transformers")
 
-from m3lm.bench_hf import (
+from m3lm.bench.hf_reference import (
     _experts_implementations,
     build_hf_slice,
     time_hf_decode,

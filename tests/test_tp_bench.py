@@ -8,8 +8,7 @@ import sys
 import pytest
 from conftest import PATIENCE_S, REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-from tp_slice import RELEASE_DENSE, RELEASE_SPARSE, per_layer, require_nvls_off
+from m3lm.bench.tp_slice import RELEASE_DENSE, RELEASE_SPARSE, per_layer, require_nvls_off
 
 
 def test_two_gloo_ranks_pass_the_check_and_print_the_table():

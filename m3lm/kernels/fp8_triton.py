@@ -47,7 +47,7 @@ class Config(NamedTuple):
 
 
 # Tunables. Chosen from the compiled kernels' resources (registers, shared memory, 16-byte loads)
-# and kept after a GPU check. At one row, `benchmarks/fp8_graph_sweep.py` times them as the
+# and kept after a GPU check. At one row, `benchmarks/tune/fp8_graph_sweep.py` times them as the
 # captured decode step runs them (in a CUDA graph, weights cold in L2): 32 weight rows x 512
 # inputs, 4 stages, at least one program per SM is the best or within 1 us of it on every
 # projection of the release (`benchmarks/results/fp8_graph_sweep_h200.md`). `fp8_configs.py`

@@ -221,7 +221,7 @@ def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tup
     """((BLOCK_M, tile) of the gate/up kernel, (BLOCK_M, tile) of the down GEMM) for M pairs.
 
     A tile is (BN, BK, warps, stages, swap). Decode (up to 1024 pairs) reads weights: narrow
-    output tiles and wide K, the winners of `benchmarks/fp8_configs.py`'s MoE sweep timed inside a
+    output tiles and wide K, the winners of `benchmarks/tune/fp8_configs.py`'s MoE sweep timed inside a
     CUDA graph at 1, 16 and 64 tokens; prefill multiplies: larger tiles. fp32 (tests, CPU-sized
     models) takes small tiles that fit in shared memory.
     """

@@ -425,7 +425,7 @@ def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tup
     """((BLOCK_M, tile) of the gate/up kernel, (BLOCK_M, tile) of the down GEMM) for M pairs.
 
     A tile is (BN, BK, warps, stages, GROUP_M: at most this many row blocks of one expert per
-    group of the launch order, `grouped_pid`). From `benchmarks/moe_configs.py` on the H200 at
+    group of the launch order, `grouped_pid`). From `benchmarks/tune/moe_configs.py` on the H200 at
     the release's dimensions: wide K for a few rows (decode reads weights), large tiles for many
     (prefill multiplies; GROUP_M 16 keeps an expert of up to 2048 pairs in one group, so its
     weights are read once). fp32 (tests, CPU-sized models) takes small tiles that fit in shared

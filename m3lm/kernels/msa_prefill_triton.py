@@ -172,7 +172,7 @@ def msa_prefill_attention(
 
     `first_pos` (q_pos[0]) may be passed to spare a device read. `block_size` tiles the keys when
     there is no selection (it need not match the MSA block then). `config` is (query rows per
-    program, warps, pipeline stages, keys per step); `benchmarks/prefill_configs.py` picks the
+    program, warps, pipeline stages, keys per step); `benchmarks/tune/prefill_configs.py` picks the
     default (fp32 tiles take one stage fewer to fit in shared memory). `tma`: K and V by
     tensor-memory copies (default: where `tma_ok`); the products are the same bit for bit, and
     the kernel holds fewer registers and issues fewer instructions than with per-thread loads.

@@ -2,7 +2,7 @@
 
     ncu --clock-control none --profile-from-start off -k regex:"_moe_(gate_up|gemm)_kernel" \\
         --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \\
-        python3 benchmarks/moe_dram.py
+        python3 benchmarks/profile/moe_dram.py
 
 The routings: layer 1's of the 4-layer bench slice in one 8k step, uniform random (each token's
 4 experts at random), and exactly 256 pairs an expert (no short or partial blocks). Each engine
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.moe_gluon_down import layer1_inputs
-from benchmarks.moe_routings import A, E, routings
+from m3lm.bench.inputs import A, E, layer1_inputs, routings
 from m3lm.kernels import moe_triton as mt
 
 

@@ -1,6 +1,6 @@
 """Where an 8k prefill of the bench slice spends its wall time, and what the MoE pads (GPU).
 
-    PYTHONPATH=. python3 benchmarks/prefill_timeline.py [--length 8192] [--layers 4]
+    python3 benchmarks/profile/prefill_timeline.py [--length 8192] [--layers 4]
 
 Prints, for one prefill step: the step time from CUDA events beside the host's enqueue time;
 from a profiler trace, the kernels' summed time, their span and the idle gaps between them (the
@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import m3lm.kernels.moe_triton as mt
-from m3lm.bench import build_slice, prefill_step
+from m3lm.bench.slice import build_slice, prefill_step
 
 
 def padding(counts: torch.Tensor) -> str:

@@ -3,7 +3,7 @@
 For several token counts, times the fused gate/up + SwiGLU kernel (N = I, K = C) and the down
 GEMM (N = C, K = I) under each tile configuration and BLOCK_M, and prints the best, with the
 bandwidth it reaches on the expert weights it must read and its arithmetic rate. The winners
-go into `moe_triton.tiles`. Run: `PYTHONPATH=. python3 benchmarks/moe_configs.py [T ...]`.
+go into `moe_triton.tiles`. Run: `python3 benchmarks/tune/moe_configs.py [T ...]`.
 """
 
 from __future__ import annotations

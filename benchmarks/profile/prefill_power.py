@@ -1,11 +1,11 @@
 """The 8k prefill back to back against the same step after a pause, with the SM clock and power
 (GPU): how much of a step's time the power limit sets.
 
-    PYTHONPATH=. python3 benchmarks/prefill_power.py [--layers 4] [--length 8192] [--rounds 3]
-    PYTHONPATH=. python3 benchmarks/prefill_power.py --kernels
-    PYTHONPATH=. python3 benchmarks/prefill_power.py --heat 60,120,240
-    TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=. python3 benchmarks/prefill_power.py --protocols
-    ncu ... --profile-from-start off python3 benchmarks/prefill_power.py --one-step
+    python3 benchmarks/profile/prefill_power.py [--layers 4] [--length 8192] [--rounds 3]
+    python3 benchmarks/profile/prefill_power.py --kernels
+    python3 benchmarks/profile/prefill_power.py --heat 60,120,240
+    TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/profile/prefill_power.py --protocols
+    ncu ... --profile-from-start off python3 benchmarks/profile/prefill_power.py --one-step
 
 `m3lm bench` times steps back to back (each case after half a second of the same steps), as a
 server busy with prefills would run them. Each round here times ten steps back to back, then ten
@@ -18,7 +18,7 @@ power cap slows. `--heat S1,S2,..` times the step (median of ten after half a se
 steps) and the captured batch-1 decode step at context 4096 with its embedding + norm +
 lm_head part (memory-bound, far below the power limit), first on the GPU as it starts, then
 after S1, S2, .. seconds more of steps back to back, with the GPU's temperature, mean power and
-SM clock (`m3lm.gpu_meter`): whether a warm GPU runs them slower. `--protocols` times the step
+SM clock (`m3lm.bench.gpu_meter`): whether a warm GPU runs them slower. `--protocols` times the step
 as `m3lm bench` did before its warm-up left out the compiling calls (first in the process: with
 an empty Triton cache, its steps follow the compilation's idle GPU), as the bench does now,
 after 20 s back to back, and one step at a time after 0.5 and 2 s idle. `--one-step` runs one
@@ -36,9 +36,11 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from m3lm.bench import PREFILL_SECONDS, WARMUP_S, _measure, bench_decode, build_slice, event_ms, prefill_step
-from m3lm.bench import rested_ms as rested
-from m3lm.gpu_meter import GpuMeter
+from m3lm.bench.gpu_meter import GpuMeter
+from m3lm.bench.run import bench_decode
+from m3lm.bench.slice import build_slice, prefill_step
+from m3lm.bench.timing import PREFILL_SECONDS, WARMUP_S, event_ms, measure
+from m3lm.bench.timing import rested_ms as rested
 
 SMI = [
     "nvidia-smi",
@@ -119,7 +121,7 @@ def heat(model, step, soaks: list[float]) -> None:
             step()
         torch.cuda.synchronize()
         soaked += soak
-        ms, gpu = _measure(step, 10, gpu=True)
+        ms, gpu = measure(step, 10, gpu=True)
         dec = bench_decode(model, 1, 4096, 10)
         print(
             f"after {soaked:.0f} s of steps: prefill {ms:.2f} ms ({gpu}); decode B=1 ctx=4096 "
@@ -150,7 +152,7 @@ def protocols(step) -> None:
     print(f"the same after 5 s idle: {counted_warmup(step)}", flush=True)
     for iters, seconds in ((3, 0.0), (10, 0.0), (3, PREFILL_SECONDS)):
         time.sleep(5)
-        ms, gpu = _measure(step, iters, gpu=True, seconds=seconds)
+        ms, gpu = measure(step, iters, gpu=True, seconds=seconds)
         print(
             f"after 5 s idle, the bench's warm-up, then {iters} steps over >= {seconds} s: {ms:.2f} ms ({gpu})",
             flush=True,
@@ -158,7 +160,7 @@ def protocols(step) -> None:
     t0 = time.time()
     while time.time() - t0 < 20:
         step()
-    ms, gpu = _measure(step, 10, gpu=True)
+    ms, gpu = measure(step, 10, gpu=True)
     print(f"after 20 s back to back, the bench's warm-up, then 10 steps: {ms:.2f} ms ({gpu})", flush=True)
     for pause in (0.5, 2.0):
         print(

@@ -1,6 +1,6 @@
 """Kernel timeline of the captured decode step, bf16 and then MXFP8 (GPU).
 
-    PYTHONPATH=. python3 benchmarks/profile_decode_graph.py [--batch 1] [--layers 2] [--out-dir DIR]
+    python3 benchmarks/profile/profile_decode_graph.py [--batch 1] [--layers 2] [--out-dir DIR]
 
 Builds the bench slice (layer 0 dense, the rest MoE + MSA), captures the decode step as the
 engine does (`DecodeGraphs`), times its replay, then profiles three replays and writes, per
@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from m3lm.bench import _fill, _time, build_slice, captured_decode
+from m3lm.bench.slice import build_slice, captured_decode, fill_cache
+from m3lm.bench.timing import time_ms
 from m3lm.cache.kv_cache import KVCache
 from m3lm.models.minimax_m3 import keep_mxfp8_
 
@@ -35,13 +36,13 @@ def main() -> None:
     model = build_slice(args.layers)
     pages = math.ceil(args.ctx / model.args.index_block_size)
     cache = KVCache(model.args, args.batch * pages + 1, "cuda", torch.bfloat16)
-    _fill(cache, torch.Generator(device="cuda").manual_seed(1))
+    fill_cache(cache, torch.Generator(device="cuda").manual_seed(1))
     for quant in ("bf16", "mxfp8"):
         if quant == "mxfp8":
             keep_mxfp8_(model, quantize=True)
             torch.cuda.empty_cache()
         graphs, graph = captured_decode(model, cache, args.batch, pages, args.ctx)
-        ms = _time(graph.replay, 20)
+        ms = time_ms(graph.replay, 20)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 graph.replay()

@@ -1,4 +1,5 @@
-"""Shared by `tp_bench.py` and `multi_gpu_plan.py`: slice configs, seeded shard fill, projections.
+"""The tensor-parallel benchmarks' slices (`benchmarks/tp_bench.py`, `tp_check.py`, `multi_gpu_plan.py`):
+slice configs, seeded shard fill, projections.
 
 A rank's shard of a slice is built on the meta device with its `ParallelConfig`, moved to its
 device and filled from seeds, so no rank ever holds the full weights. Two fills:
@@ -19,13 +20,13 @@ import zlib
 import torch
 from torch import nn
 
-from m3lm.bench import release_slice_config
+from m3lm.bench.slice import RELEASE_DENSE, RELEASE_SPARSE, release_slice_config
 from m3lm.config import ModelArgs, parse_config, release_config
 from m3lm.distributed.parallel import ParallelConfig
 from m3lm.distributed.shard import param_shard
 from m3lm.models.minimax_m3 import MiniMaxM3
 
-RELEASE_LAYERS, RELEASE_DENSE, RELEASE_SPARSE = 60, 3, 57
+RELEASE_LAYERS = RELEASE_DENSE + RELEASE_SPARSE
 # Published serving figures for the full model (../shared/docs/performance.md): vLLM, MXFP8 weights,
 # TP 8 on 8 x H200, 1k in / 1k out; ms per output token by concurrency.
 VLLM_TPOT_MS = {4: 8.4, 64: 27.0}

@@ -1,6 +1,6 @@
 """The down GEMM's prefill tile with bf16 per-pair outputs (GPU, release dimensions).
 
-    PYTHONPATH=. python3 benchmarks/moe_down_tiles.py [--rounds 3]
+    python3 benchmarks/tune/moe_down_tiles.py [--rounds 3]
 
 The prefill tile of `moe_triton.tiles` (BLOCK_M 128; BN 256, BK 64, 8 warps, 4 stages, GROUP_M
 16) was chosen when the down GEMM stored fp32 outputs; since version 17 it stores bf16 ones, a
@@ -15,9 +15,9 @@ import argparse
 
 import torch
 
-from benchmarks.moe_gluon_down import layer1_inputs
-from benchmarks.step_energy import per_call
-from m3lm.gpu_meter import GpuMeter
+from m3lm.bench.gpu_meter import GpuMeter
+from m3lm.bench.inputs import layer1_inputs
+from m3lm.bench.timing import per_call
 from m3lm.kernels import moe_triton as mt
 
 TILES = {  # (BN, BK, warps, stages, GROUP_M)

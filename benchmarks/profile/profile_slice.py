@@ -1,6 +1,6 @@
 """Where the time goes: kernel table of one prefill and one eager decode step of the bench slice.
 
-    python3 benchmarks/profile_slice.py --layers 4 --prefill 8192 --decode 1x4096
+    python3 benchmarks/profile/profile_slice.py --layers 4 --prefill 8192 --decode 1x4096
 
 Prints, per phase, the CUDA kernels by total device time and the number of launches, so a
 change can be predicted before it is made (see NOTES.md). Needs a CUDA GPU.
@@ -14,7 +14,7 @@ import math
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from m3lm.bench import _fill, build_slice, prefill_step
+from m3lm.bench.slice import build_slice, fill_cache, prefill_step
 from m3lm.cache.kv_cache import KVCache
 from m3lm.core import DecodeBatch
 
@@ -46,7 +46,7 @@ def decode(model, batch: int, ctx: int, rows: int) -> None:
     s = model.args.index_block_size
     pages = math.ceil(ctx / s)
     cache = KVCache(model.args, batch * pages + 1, "cuda", torch.bfloat16)
-    _fill(cache, torch.Generator(device="cuda").manual_seed(1))
+    fill_cache(cache, torch.Generator(device="cuda").manual_seed(1))
     tables = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
     positions = torch.full((batch,), ctx - 1, device="cuda")
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")

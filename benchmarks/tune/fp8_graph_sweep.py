@@ -1,6 +1,6 @@
 """One-row FP8 products timed the way a decode step runs them: inside a CUDA graph, weights cold (GPU).
 
-    PYTHONPATH=. python3 benchmarks/fp8_graph_sweep.py [--out FILE] [--skip-dense] [--skip-moe]
+    python3 benchmarks/tune/fp8_graph_sweep.py [--out FILE] [--skip-dense] [--skip-moe]
 
 Dense: for each projection of the release at batch 1 ([O, In], the gate/up ones packed with
 act="swiglu"), a graph of `mxfp8_matmul` calls on enough copies of the weight (about 400 MB) that
@@ -18,16 +18,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import report
-
-from m3lm.bench import _graph_ms
+from m3lm.bench import report
+from m3lm.bench.timing import graph_ms
 from m3lm.kernels import moe_fp8_triton as mf
 from m3lm.kernels.fp8 import quantize_mxfp8
 from m3lm.kernels.fp8_triton import Config, matmul_config, mxfp8_matmul
@@ -51,7 +47,7 @@ COLD_BYTES = 400e6
 
 
 def per_call_us(fn, calls: int) -> float:
-    return _graph_ms(fn, 20) * 1e3 / calls
+    return graph_ms(fn, 20) * 1e3 / calls
 
 
 def dense_case(say, name: str, o: int, k: int, act: str | None, sms: int) -> None:
@@ -135,7 +131,7 @@ def main() -> None:
     if args.out:
         dev = f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}"
         report.append_section(
-            args.out, "MXFP8 decode products in a CUDA graph", "PYTHONPATH=. python3 benchmarks/fp8_graph_sweep.py",
+            args.out, "MXFP8 decode products in a CUDA graph", "python3 benchmarks/tune/fp8_graph_sweep.py",
             [dev], "```\n" + "\n".join(lines) + "\n```",
         )  # fmt: skip
 

@@ -1,6 +1,6 @@
 """Energy of the 8k prefill step and of each kind of work in it, back to back (GPU).
 
-    PYTHONPATH=. python3 benchmarks/step_energy.py [--layers 4] [--length 8192] [--rounds 2]
+    python3 benchmarks/profile/step_energy.py [--layers 4] [--length 8192] [--rounds 2]
 
 Back to back the step runs at the H200's power limit, so its time is its energy over the
 limit's watts, and a kernel gains the step what it saves in joules, not in milliseconds. Each
@@ -17,33 +17,16 @@ T * 4 / E pairs an expert, no padding) and, for comparison, as PyTorch's grouped
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import m3lm.kernels.msa as msa
 import m3lm.kernels.msa_prefill_triton as mp
-from m3lm.bench import build_slice, prefill_step
-from m3lm.gpu_meter import GpuMeter
+from m3lm.bench.gpu_meter import GpuMeter
+from m3lm.bench.slice import build_slice, prefill_step
+from m3lm.bench.timing import per_call
 from m3lm.kernels import moe_triton as mt
 from m3lm.kernels.moe import route, router_logits
-
-
-def per_call(meter: GpuMeter, fn, seconds: float) -> tuple[float, float, float]:
-    """(ms, J, W) per call of fn, called back to back for `seconds` after 0.5 s of warm-up."""
-    t_end = time.time() + 0.5
-    while time.time() < t_end:
-        fn()
-    torch.cuda.synchronize()
-    n, e0, t0 = 0, meter.joules(), time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-        if n % 4 == 0:  # keep the host a few calls ahead at most
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    dt, joules = time.perf_counter() - t0, meter.joules() - e0
-    return dt / n * 1e3, joules / n, joules / dt
 
 
 def capture(model, length: int):

@@ -2,7 +2,7 @@
 
 Times `msa_prefill_attention` under each (query rows per program, warps, stages, keys per step)
 for the selections `m3lm bench --attention` uses, and prints each case's best. The winner
-becomes the kernel's default. Run: `PYTHONPATH=. python3 benchmarks/prefill_configs.py [LENGTH:KIND ...]`.
+becomes the kernel's default. Run: `python3 benchmarks/tune/prefill_configs.py [LENGTH:KIND ...]`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sys
 import torch
 import triton
 
-from m3lm.bench import build_slice
-from m3lm.bench_attention import selection
+from m3lm.bench.attention import selection
+from m3lm.bench.slice import build_slice
 from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
 
 CONFIGS = [

@@ -17,7 +17,7 @@ are per call inside a CUDA graph of calls on different routings (`graph_us`). Th
 `m3lm/kernels/fp8_triton.py` (GEMV_TILES, GEMV_MIN_BN, GEMV_PROGRAMS_PER_SM) and
 `m3lm/kernels/moe_fp8_triton.py::tiles`.
 
-Run: `PYTHONPATH=. python3 benchmarks/fp8_configs.py [--out FILE] [--dry-run]`.
+Run: `python3 benchmarks/tune/fp8_configs.py [--out FILE] [--dry-run]`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,8 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import report
-
-from m3lm.bench import _graph_ms
+from m3lm.bench import report
+from m3lm.bench.timing import graph_ms
 from m3lm.kernels.fp8_triton import GEMV_MAX_T, Config, matmul_config, mxfp8_matmul
 
 SHAPES = {  # name: weight [O, In]
@@ -155,7 +152,7 @@ def graph_us(fns: list) -> float | None:
     """Median us per call of fns captured back to back in one CUDA graph (as a decode step runs
     them: no launch overhead between kernels), None when a configuration does not compile."""
     try:
-        return _graph_ms(lambda: [fn() for fn in fns], 20) * 1e3 / len(fns)
+        return graph_ms(lambda: [fn() for fn in fns], 20) * 1e3 / len(fns)
     except Exception:
         return None
 
@@ -232,7 +229,7 @@ def main() -> None:
         moe(log)
     if args.out:
         details = [f"Device: {props.name}, torch {torch.__version__}, triton {triton.__version__}"]
-        cmd = "PYTHONPATH=. python3 benchmarks/fp8_configs.py " + " ".join(sys.argv[1:])
+        cmd = "python3 benchmarks/tune/fp8_configs.py " + " ".join(sys.argv[1:])
         body = "```\n" + "\n".join(log.lines) + "\n```"
         report.append_section(args.out, "MXFP8 decode tiles (release dimensions)", cmd, details, body)
 

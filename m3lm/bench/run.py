@@ -1,0 +1,181 @@
+"""`m3lm bench`: a real-dimension slice of MiniMax-M3 on one GPU, timed against its memory floor.
+
+The slice has the release's exact text dimensions and N layers (layer 0 dense MLP + full
+attention, the rest MoE + MSA), random bf16 weights built directly on the GPU. Decode steps are
+timed as captured CUDA graph replays (the engine's decode path); prefill as one packed forward,
+back to back for a second after a half-second warm-up (a busy server: the H200 then runs at its
+power limit and slows its SM clock), and in a note one step at a time after the GPU idled (a
+prompt reaching an idle GPU). Each row reports ms, tok/s, the bytes the step must read at
+least, GB/s and the fraction of the floor (bytes at the measured copy bandwidth); a note gives
+the GPU's power, temperature and SM clock over each case (`gpu_meter`). With
+`--compare-transformers` the transformers implementation runs on a slice of the same dimensions
+in the same process.
+
+`--quant bf16,mxfp8` times the same slice with bf16 weights, then with the weights quantised to
+MXFP8 (the release's scheme) and kept in 8 bits. For each decode case it also times the parts
+(embedding + final norm + lm_head, one dense layer, one MoE + MSA layer) as graphs of their own,
+reports the decoder layers alone (step minus embedding and lm_head, which the release keeps in
+bf16) and projects the 60-layer model: head + 3 dense + 57 MoE/MSA layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+
+from m3lm.bench import hf_reference
+from m3lm.bench.attention import bench_attention
+from m3lm.bench.report import (
+    Row,
+    active_params,
+    gb_text,
+    kv_bytes,
+    parts_line,
+    rested_line,
+    weights_bytes,
+)
+from m3lm.bench.slice import (
+    build_slice,
+    captured_decode,
+    decode_parts,
+    fill_cache,
+    prefill_step,
+    release_slice_config,
+)
+from m3lm.bench.timing import PREFILL_SECONDS, measure, rested_ms, time_ms
+from m3lm.cache.kv_cache import KVCache
+from m3lm.layers.linear import weight_bytes
+from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_
+
+
+def bench_decode(model: MiniMaxM3, batch: int, ctx: int, iters: int) -> Row:
+    s = model.args.index_block_size
+    pages = math.ceil(ctx / s)
+    cache = KVCache(model.args, batch * pages + 1, "cuda", torch.bfloat16)
+    fill_cache(cache, torch.Generator(device="cuda").manual_seed(1))
+    graphs, graph = captured_decode(model, cache, batch, pages, ctx)
+    ms, gpu = measure(graph.replay, iters, gpu=True)
+    del graphs
+    parts = decode_parts(model, cache, batch, pages, ctx, iters)
+    del cache
+    flops = 2 * active_params(model) * batch
+    row = Row(
+        f"decode B={batch} ctx={ctx}",
+        ms,
+        batch,
+        weights_bytes(model, batch) + kv_bytes(model, batch, ctx),
+        flops,
+        parts=parts,
+        gpu=gpu,
+    )
+    return row
+
+
+def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
+    """The prefill step back to back (the median over PREFILL_SECONDS after the warm-up: a server
+    busy with prefills), and one step at a time after the GPU idled (a prompt reaching an idle GPU)."""
+    step = prefill_step(model, length)
+    ms, gpu = measure(step, iters, gpu=True, seconds=PREFILL_SECONDS)
+    rested = rested_ms(step)
+    a = model.args
+
+    def keys(window: int) -> float:  # sum over queries t of the keys attended, min(t + 1, window)
+        w = min(window, length)
+        return w * (w + 1) / 2 + (length - w) * w
+
+    attn = sum(keys(a.dense_window if sp else length) for sp in a.sparse_layers)
+    lm_head = 2 * a.hidden_size * a.vocab_size  # logits of the last position only
+    flops = (
+        2 * active_params(model, with_lm_head=False) * length
+        + lm_head
+        + 4 * attn * a.num_attention_heads * a.head_dim
+    )
+    case = f"prefill B=1 T={length}"
+    return Row(case, ms, length, weights_bytes(model, length), flops, gpu=gpu, rested_ms=rested)
+
+
+def run(args) -> tuple[list[Row], list[str]]:
+    """Rows of every variant in `args.quant` (bf16 first: the mxfp8 variant quantises in place)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    quants = args.quant
+    if quants not in (["bf16"], ["mxfp8"], ["bf16", "mxfp8"]):
+        raise ValueError(f"--quant {','.join(quants)}: expected bf16, mxfp8 or bf16,mxfp8")
+    t0 = time.time()
+    model = build_slice(args.layers)
+    print(f"built a {args.layers}-layer slice in {time.time() - t0:.1f} s", flush=True)
+    rows, notes, resident, layers_ms = [], [], {}, {}
+    resident["bf16"] = weight_bytes(model)
+    in_layers = {"bf16": sum(weight_bytes(model.model.layers).values())}  # without embedding and lm_head
+    for quant in quants:
+        if quant == "mxfp8":
+            keep_mxfp8_(model, quantize=True)  # the release's scheme, from the random bf16 weights
+            torch.cuda.empty_cache()
+            resident["mxfp8"] = weight_bytes(model)
+            in_layers["mxfp8"] = sum(weight_bytes(model.model.layers).values())
+        tag = f" [{quant}]" if len(quants) > 1 or quant != "bf16" else ""
+        notes.append(f"resident weights{tag or ' [bf16]'}: {gb_text(resident[quant])}")
+        print(notes[-1], flush=True)
+        first = len(rows)
+        for b, ctx in args.decode:
+            rows.append(bench_decode(model, b, ctx, args.iters))
+            rows[-1].case += tag
+            layers_ms[(quant, b, ctx)] = rows[-1].ms - rows[-1].parts["head"]
+            print(" | ".join(rows[-1].cells()), flush=True)
+            notes.append(parts_line(rows[-1].case, rows[-1].ms, rows[-1].parts, args.layers))
+            print(notes[-1], flush=True)
+        for t in args.prefill:
+            rows.append(bench_prefill(model, t, max(3, args.iters // 5)))
+            rows[-1].case += tag
+            print(" | ".join(rows[-1].cells()), flush=True)
+            notes.append(rested_line(rows[-1]))
+            print(notes[-1], flush=True)
+        if quant == quants[0]:
+            first_rows = rows[first:]
+            for t in args.attention:
+                for case, ms, tokens, flops, dense_ms in bench_attention(
+                    model, t, max(3, args.iters // 5), time_ms
+                ):
+                    row = Row(case, ms, tokens, 0.0, flops, ref_ms=dense_ms)
+                    rows.append(row)
+                    print(" | ".join(row.cells()), "(reference column: dense flash attention)", flush=True)
+    if len(quants) == 2:
+        ratio = sum(resident["mxfp8"].values()) / sum(resident["bf16"].values())
+        notes.append(
+            f"resident weights mxfp8 / bf16: {ratio:.3f} (decoder layers only, without the embedding "
+            f"and lm_head that the release keeps in bf16: {in_layers['mxfp8'] / in_layers['bf16']:.3f})"
+        )
+        for b, ctx in args.decode:
+            speed = layers_ms[("bf16", b, ctx)] / layers_ms[("mxfp8", b, ctx)]
+            notes.append(f"decode B={b} ctx={ctx}: decoder layers bf16 / mxfp8 = {speed:.2f}x")
+        print("\n".join(notes[-1 - len(args.decode) :]), flush=True)
+    measured = [r for r in rows if r.gpu]
+    if measured:
+        notes.append(
+            "GPU per case (power: mean over the case's warm-up and timed calls; temperature and SM "
+            "clock at their end): " + "; ".join(f"{r.case}: {r.gpu}" for r in measured)
+        )
+        print(notes[-1], flush=True)
+    cfg = release_slice_config(args.layers)
+    del model
+    torch.cuda.empty_cache()
+    if args.compare_transformers:
+        compare_transformers(cfg, args, first_rows)
+    return rows, notes
+
+
+def compare_transformers(cfg: dict, args, rows: list[Row]) -> None:
+    """transformers' ms on a slice of the same dimensions into each decode and prefill row."""
+    hf = hf_reference.build_hf_slice(hf_reference.slice_config(cfg), "cuda")
+    specs = [("d", b, c) for b, c in args.decode] + [("p", 1, t) for t in args.prefill]
+    for row, spec in zip(rows[: len(specs)], specs, strict=True):
+        kind, b, n = spec
+        res = (
+            hf_reference.time_hf_decode(hf, b, n, 5)
+            if kind == "d"
+            else hf_reference.time_hf_prefill(hf, b, n, 3)
+        )
+        row.ref_ms = res.get("median_ms", res.get("ms"))
+        print(row.case, "transformers:", json.dumps(res), flush=True)
