@@ -36,10 +36,11 @@ class ModelRunner:
     def run(
         self, plan: list[tuple[Sequence, int]], tables: list[list[int]]
     ) -> tuple[list[Sequence], torch.Tensor, list[tuple[Sequence, range]]]:
-        """Compute `n` new positions of each planned sequence; returns the sequences that reached
-        their last known token (they sample next), the fp32 logits [R + P, V] of their last
-        positions and then of the P prompt positions that score a prompt token, and which
-        sequence and positions those P rows are (`Sequence.prompt_rows`)."""
+        """Compute `n` new positions of each planned sequence (its drafts, past its known tokens,
+        among them); returns the sequences that reached their last known token (they sample
+        next), the fp32 logits [R + P, V] of their last known position and draft positions
+        (1 + len(draft_ids) rows each) and then of the P prompt positions that score a prompt
+        token, and which sequence and positions those P rows are (`Sequence.prompt_rows`)."""
         decode_only = all(n == 1 and s.num_cached == s.num_tokens - 1 for s, n in plan)
         if self.graphs is not None and decode_only and len(plan) <= self.graphs.max_batch:
             return (*self._decode(plan, tables), [])
@@ -50,16 +51,18 @@ class ModelRunner:
         offset = 0
         for seq, n in plan:
             start = seq.num_cached
-            tokens.extend(seq.tokens(start, start + n))
+            known = min(n, seq.num_tokens - start)  # the rest are drafts to verify
+            tokens.extend(seq.tokens(start, start + known))
+            tokens.extend(seq.draft_ids[: n - known])
             q_lens.append(n)
             starts.append(start)
             if at := seq.prompt_rows(start, n):
                 scored.append((seq, at))
                 scored_rows.extend(offset + p - start for p in at)
-            offset += n
-            if start + n == seq.num_tokens:
-                rows.append(offset - 1)
+            if start + known == seq.num_tokens:  # the last known token and each draft
+                rows.extend(range(offset + known - 1, offset + n))
                 ready.append(seq)
+            offset += n
         step = steps.Step(tokens, q_lens, starts, rows + scored_rows, tables)
         steps.send(self.model.parallel, step)
         logits = forward_step(self.model, self.cache, step, self.msa_dense_window, self.table_width)
