@@ -27,7 +27,7 @@ from m3lm.engine.constraints import Constraint, Grammars, mask_logits
 from m3lm.engine.memory import peak_activation_bytes, profile_batches
 from m3lm.engine.runner import ModelRunner
 from m3lm.engine.sequence import Sequence
-from m3lm.engine.speculation import Speculator, rollback
+from m3lm.engine.speculation import EagleDrafter, Speculator, rollback
 from m3lm.errors import ConfigError
 from m3lm.layers.linear import weight_bytes
 from m3lm.models.minimax_m3 import MiniMaxM3
@@ -116,8 +116,7 @@ class LLMEngine:
 
             graphs = DecodeGraphs(model, self.cache, min(config.max_num_seqs, 256), max_pages, num_pages)
         self.runner = ModelRunner(model, self.cache, config.msa_dense_window, graphs, max_pages)
-        spec = config.speculative_config
-        self.speculator = Speculator(spec) if spec is not None else None
+        self.speculator = self._speculator(num_pages + 1)
         self.sampler = Sampler()
         self.eos_ids = eos_ids_of(tokenizer, self.generation_config, eos_ids)
         source = (lambda: tokenizer) if tokenizer is not None else grammar_tokenizer
@@ -126,6 +125,22 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         log.info("%s", self.info.summary())
+
+    def _speculator(self, num_pages: int) -> Speculator | None:
+        """The speculative decoding of `EngineConfig.speculative_config`: with an EAGLE-3 drafter,
+        loaded beside the model, its key/value pool of `num_pages` pages, and the runner capturing
+        the layers the drafter reads."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        drafter = None
+        if spec.method == "eagle3":
+            from m3lm.speculative.eagle import load_eagle3
+
+            head = load_eagle3(spec.model, self.model, self.model.lm_head.weight.dtype, self.device)
+            drafter = EagleDrafter(head, num_pages, self.model.args.index_block_size, self.device)
+            self.runner.capture = head.args.layer_ids
+        return Speculator(spec, drafter)
 
     def _plan_pool(self, use_graphs: bool) -> PoolPlan:
         """Size the KV pool (`plan_pool`); on a GPU sized from its memory, after measuring the
@@ -288,7 +303,7 @@ class LLMEngine:
         if ready:
             self._sample(ready, logits, results)
         if self.speculator is not None:
-            self.speculator.propose([s for s, _ in plan])
+            self.speculator.propose([s for s, _ in plan], self.blocks, self.runner)
         return results
 
     def _verify(self, ready: list[Sequence], logits: torch.Tensor, results: list[StepOutput]):

@@ -9,6 +9,11 @@ penalties) and the accept/reject rule (`speculative.rejection.verify`); the cach
 rejected drafts are rolled back (`rollback`): their keys stay in the pages, past the sequence's
 valid positions, to be overwritten, and pages that only they reached go back to the pool.
 
+Drafters: prompt lookup (`speculative.ngram`), or an EAGLE-3 head (`EagleDrafter`) that reads
+the residual stream the target's forward captured at three layers (`ModelRunner.capture`) for
+every position a step computed and kept (prefill chunks, accepted drafts), writes its own keys
+for them into a pool that shares the target's block tables, and then drafts k tokens greedily.
+
 Requests whose logits a grammar or a thinking budget masks (`Constraint`) are not speculated.
 """
 
@@ -54,9 +59,50 @@ class Verified:
     finite: bool
 
 
+class EagleDrafter:
+    """An EAGLE-3 head beside the target, with its paged key/value pool (one layer)."""
+
+    def __init__(self, head, num_pages: int, page_size: int, device: torch.device):
+        a = head.args
+        self.head, self.page = head, page_size
+        shape = (num_pages, page_size, a.num_key_value_heads, a.head_dim)
+        dtype = head.fc.weight.dtype
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @torch.inference_mode()
+    def draft(
+        self, seq: Sequence, table: list[int], hidden: torch.Tensor, start: int, room: int
+    ) -> list[int]:
+        """Take the sequence's positions start .. num_cached - 1 (their captured target states
+        `hidden` [n, 3 Ct]) into the pool; then draft up to `room` tokens after its last one."""
+        from m3lm.cache.kv_cache import rows
+
+        head, dev, end = self.head, hidden.device, seq.num_cached
+        tokens = torch.tensor(seq.tokens(start + 1, end + 1), device=dev)  # each position's next token
+        keys, values = rows(self.k, table, start), rows(self.v, table, start)
+        pos = torch.arange(start, end, device=dev)
+        feat, logits, k, v = head.step(tokens, head.features(hidden), pos, (keys, values))
+        pages = torch.tensor(table, device=dev)[pos // self.page]
+        self.k[pages, pos % self.page], self.v[pages, pos % self.page] = k, v
+        if not room:
+            return []
+        # drafted positions: their keys stay local to this call
+        keys, values = torch.cat([keys, k]), torch.cat([values, v])
+        token, feat, drafts = head.target_ids(logits[-1:].argmax(-1)), feat[-1:], []
+        for i in range(room):
+            drafts.append(token)
+            if i + 1 == room:
+                break
+            feat, logits, k, v = head.step(token, feat, pos[-1:] + i + 1, (keys, values))
+            keys, values = torch.cat([keys, k]), torch.cat([values, v])
+            token = head.target_ids(logits.argmax(-1))
+        return torch.cat(drafts).tolist()
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
-        self.config = config
+    def __init__(self, config: SpeculativeConfig, drafter: EagleDrafter | None = None):
+        self.config, self.drafter = config, drafter
         self.k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
 
@@ -68,15 +114,21 @@ class Speculator:
         """Drafts the sequence can take: k, fewer near max_tokens (a step emits drafts + 1)."""
         return max(0, min(self.k, seq.max_tokens - len(seq.output_ids) - 1))
 
-    def propose(self, seqs: list[Sequence]) -> None:
-        """Set the drafts of each sequence that now decodes (its last token not yet computed)."""
+    def propose(self, seqs: list[Sequence], blocks: BlockManager, runner) -> None:
+        """After a step: set the drafts of each of its sequences that now decodes (its last token
+        not yet computed); an EAGLE-3 drafter first takes in every position the step kept."""
         c = self.config
         for seq in seqs:
             seq.draft_ids = []
-            if not self.eligible(seq) or seq.num_cached != seq.num_tokens - 1:
+            if seq.finished:
                 continue
-            room = self.room(seq)
-            if room:
+            decodes = self.eligible(seq) and seq.num_cached == seq.num_tokens - 1
+            room = self.room(seq) if decodes else 0
+            if self.drafter is not None:
+                offset, start = runner.spans[seq.seq_id]
+                hidden = runner.hidden[offset : offset + seq.num_cached - start]
+                seq.draft_ids = self.drafter.draft(seq, blocks.table(seq.seq_id), hidden, start, room)
+            elif room:
                 seq.draft_ids = ngram.propose(seq.token_ids, room, c.prompt_lookup_min, c.prompt_lookup_max)
 
     def verify(self, sampler: Sampler, seqs: list[Sequence], logits: torch.Tensor) -> list[Verified]:
