@@ -319,3 +319,121 @@ def test_golden_greedy_with_prompt_lookup(fixture):
     out, _, engine = run_engine(model, [ids, ids[: len(ids) // 2] * 2], params, speculative_config=NGRAM)
     assert out["0"] == want
     assert engine.speculator.stats.num_drafts > 0
+
+
+# --- EAGLE-3 drafters ------------------------------------------------------------------------------
+
+
+def drafter_config(model, **over) -> dict:
+    """The published drafter's config.json, its shapes scaled down to `model` (head dim 128 -> 16,
+    64 KV heads -> one per query head; the full vocabulary with its own embedding and lm_head)."""
+    from m3lm.speculative.eagle import published_config
+
+    a = model.args
+    c = published_config(
+        hidden_size=a.hidden_size,
+        num_attention_heads=a.hidden_size // 16,
+        num_key_value_heads=a.hidden_size // 16,
+        head_dim=16,
+        intermediate_size=2 * a.hidden_size,
+        vocab_size=a.vocab_size,
+        layer_ids=[1, a.num_hidden_layers // 2, a.num_hidden_layers - 1],
+    )
+    return {**c, **over}
+
+
+def eagle(path) -> dict:
+    return {"method": "eagle3", "model": str(path), "num_speculative_tokens": 3}
+
+
+def test_a_random_drafter_in_the_published_format_loads_and_drafts(tiny, tmp_path):
+    from m3lm.speculative.eagle import random_drafter
+
+    path = random_drafter(tmp_path / "drafter", drafter_config(tiny), seed=1)
+    prompts = [repetitive(i) for i in range(3)] + [prompt(30, seed=9)]
+    params = m3lm.SamplingParams(max_tokens=20, **GREEDY)
+    plain, _, _ = run_engine(tiny, prompts, params)
+    spec, _, engine = run_engine(tiny, prompts, params, speculative_config=eagle(path))
+    assert spec == plain
+    st = engine.speculator.stats
+    assert st.num_draft_tokens >= 3 * len(prompts)  # every sequence drafted, k at a time
+    assert engine.runner.capture == (1, 1, 2)
+
+
+def test_a_drafter_that_shares_the_targets_embedding_and_lm_head(tiny, tmp_path):
+    """Without embed_tokens and lm_head tensors the drafter uses the target's; with the target
+    itself as the source of its drafts it proposes something."""
+    from m3lm.speculative.eagle import random_drafter
+
+    path = random_drafter(tmp_path / "d", drafter_config(tiny), seed=2, shared=("embed_tokens", "lm_head"))
+    params = m3lm.SamplingParams(max_tokens=16, **GREEDY)
+    prompts = [repetitive(1), prompt(20, seed=3)]
+    plain, _, _ = run_engine(tiny, prompts, params)
+    spec, _, engine = run_engine(tiny, prompts, params, speculative_config=eagle(path))
+    assert spec == plain and engine.speculator.stats.num_drafts > 0
+    head = engine.speculator.drafter.head
+    assert head.embed_tokens is None and head._shared[0] is tiny.model.embed_tokens
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (lambda c, d: c.update(architectures=["LlamaForCausalLM"]), "is not an EAGLE-3 drafter"),
+        (lambda c, d: c.update(hidden_size=32), "hidden states of size 32"),
+        (lambda c, d: c.update(target_hidden_size=80), "hidden states of size 80"),
+        (lambda c, d: c.update(vocab_size=97), "vocab_size = 97"),
+        (lambda c, d: c.update(intermediate_size=64), r"midlayer.mlp.down_proj.weight has shape \(64, 128\)"),
+        (
+            lambda c, d: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 9, 2]),
+            "three layer ids",
+        ),
+        (
+            lambda c, d: d.pop("midlayer.self_attn.k_proj.weight"),
+            "missing tensor midlayer.self_attn.k_proj.weight",
+        ),
+        (lambda c, d: d.update(extra=torch.zeros(1)), "unexpected tensor 'extra'"),
+        (lambda c, d: d.update(d2t=torch.full((96,), 5)), "d2t maps draft ids outside"),
+    ],
+)
+def test_a_malformed_drafter_is_a_one_line_error(tiny, tmp_path, change, why):
+    import json
+
+    from safetensors.torch import save_file
+
+    from m3lm.errors import CheckpointError
+    from m3lm.speculative.eagle import random_drafter
+
+    path = random_drafter(tmp_path / "d", drafter_config(tiny), seed=3)
+    config = json.loads((path / "config.json").read_text())
+    tensors = load_file(path / "model.safetensors")
+    change(config, tensors)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=why) as e:
+        LLMEngine(tiny, None, EngineConfig(speculative_config=eagle(path)))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fixture", golden_params())
+def test_golden_greedy_with_a_random_drafter_batched_cached_and_preempted(fixture, tmp_path):
+    from m3lm.speculative.eagle import random_drafter
+
+    model, _ = m3lm.load(fixture, device="cpu", dtype=torch.float32)
+    exp = load_file(fixture / "expected.safetensors")
+    want = exp["greedy.output_ids"].tolist()
+    ids = exp["greedy.input_ids"][0].tolist()
+    path = random_drafter(tmp_path / "d", drafter_config(model), seed=4)
+    params = m3lm.SamplingParams(max_tokens=len(want), **GREEDY)
+    prompts = [ids, ids[: len(ids) // 2] + ids, ids[:5]]
+    plain, _, _ = run_engine(model, prompts, params)
+    assert plain["0"] == want
+    out, _, engine = run_engine(model, prompts * 2, params, speculative_config=eagle(path))
+    assert [out[str(i)] for i in range(3)] == [plain[str(i)] for i in range(3)]
+    assert [out[str(i + 3)] for i in range(3)] == [plain[str(i)] for i in range(3)]
+    assert engine.scheduler.prefix_cached_tokens > 0  # the repeated prompts started on cached pages
+    need = len(ids) * 2 + len(want)
+    tight, _, engine = run_engine(
+        model, prompts, params, speculative_config=eagle(path), kv_cache_tokens=need + 16, max_model_len=need
+    )
+    assert engine.scheduler.num_preemptions > 0
+    assert tight == plain

@@ -176,12 +176,18 @@ class Eagle3(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, c, dtype=dtype) if own_embed else None
         self.lm_head = nn.Linear(c, a.draft_vocab_size, bias=False, dtype=dtype) if own_head else None
         self.register_buffer("d2t", torch.zeros(a.draft_vocab_size, dtype=torch.long))
-        self._embed, self._head = self.embed_tokens, self.lm_head
+        self._shared = (self.embed_tokens, self.lm_head)  # a tuple: not registered as submodules
 
     def bind(self, target) -> None:
         """Use the target's embedding and lm_head where the drafter has none of its own."""
-        self._embed = self.embed_tokens if self.embed_tokens is not None else target.model.embed_tokens
-        self._head = self.lm_head if self.lm_head is not None else target.lm_head
+        embed = self.embed_tokens if self.embed_tokens is not None else target.model.embed_tokens
+        self._shared = (embed, self.lm_head if self.lm_head is not None else target.lm_head)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._shared[0](tokens)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self._shared[1](x)
 
     def features(self, captured: torch.Tensor) -> torch.Tensor:
         """The target's captured states [T, 3 Ct] -> the drafter's features [T, C]."""
