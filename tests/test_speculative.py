@@ -437,3 +437,31 @@ def test_golden_greedy_with_a_random_drafter_batched_cached_and_preempted(fixtur
     )
     assert engine.scheduler.num_preemptions > 0
     assert tight == plain
+
+
+def test_structured_output_requests_run_without_speculation():
+    """A request whose logits a grammar masks gets no drafts; beside it a plain request does,
+    and both make the tokens they make without speculation."""
+    from m3lm.core import StructuredOutput
+
+    model, tok = m3lm.load(m3lm.DEFAULT_MODEL, device="cpu", dtype=torch.float32)
+    text = tok.encode("Tom had a red ball. Tom had a red ball. Tom had a")
+    so = StructuredOutput("regex", "( red ball\\.| big dog\\.){1,6}")
+    params = [
+        m3lm.SamplingParams(max_tokens=30, structured=so, **GREEDY),
+        m3lm.SamplingParams(max_tokens=30, **GREEDY),
+    ]
+    plain, _, _ = run_engine(model, [text, text], params, tokenizer=tok)
+    engine = LLMEngine(model, tok, EngineConfig(speculative_config={**NGRAM, "prompt_lookup_min": 2}))
+    constrained = engine.add_request(text, params[0], "0")
+    free = engine.add_request(text, params[1], "1")
+    drafted = {"0": 0, "1": 0}
+    out = {"0": [], "1": []}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        drafted["0"] += len(constrained.draft_ids)
+        drafted["1"] += len(free.draft_ids)
+    assert out == plain
+    assert drafted["0"] == 0 and constrained.num_drafts == 0
+    assert drafted["1"] > 0 and free.num_drafts > 0
