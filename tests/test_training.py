@@ -157,15 +157,15 @@ def test_the_drafters_unrolled_training_forward_is_the_drafting_forward():
             s = 7
             t = s - j  # drafting took in 0 .. t with the target's features
             empty = torch.zeros(0, 2, 8)
-            feat, logits, k, v = head.step(
+            feat, normed, k, v = head.step(
                 tokens[0, 1 : t + 2], head.features(feats[0, : t + 1]), torch.arange(t + 1), (empty, empty)
             )
             keys, values, feat = k, v, feat[-1:]
             for i in range(j):  # chained steps at t + 1 .. s, reading the true next tokens
-                feat, logits, k, v = head.step(
+                feat, normed, k, v = head.step(
                     tokens[0, t + 2 + i : t + 3 + i], feat, torch.tensor([t + 1 + i]), (keys, values)
                 )
                 keys, values = torch.cat([keys, k]), torch.cat([values, v])
-            want = logits[-1]
+            want = head.logits(normed[-1])
             got = head._head(states[j][0, s])
             assert torch.allclose(got, want, atol=1e-4), (j, (got - want).abs().max())

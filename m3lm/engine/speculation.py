@@ -82,21 +82,21 @@ class EagleDrafter:
         tokens = torch.tensor(seq.tokens(start + 1, end + 1), device=dev)  # each position's next token
         keys, values = rows(self.k, table, start), rows(self.v, table, start)
         pos = torch.arange(start, end, device=dev)
-        feat, logits, k, v = head.step(tokens, head.features(hidden), pos, (keys, values))
+        feat, normed, k, v = head.step(tokens, head.features(hidden), pos, (keys, values))
         pages = torch.tensor(table, device=dev)[pos // self.page]
         self.k[pages, pos % self.page], self.v[pages, pos % self.page] = k, v
         if not room:
             return []
         # drafted positions: their keys stay local to this call
         keys, values = torch.cat([keys, k]), torch.cat([values, v])
-        token, feat, drafts = head.target_ids(logits[-1:].argmax(-1)), feat[-1:], []
+        token, feat, drafts = head.target_ids(head.logits(normed[-1:]).argmax(-1)), feat[-1:], []
         for i in range(room):
             drafts.append(token)
             if i + 1 == room:
                 break
-            feat, logits, k, v = head.step(token, feat, pos[-1:] + i + 1, (keys, values))
+            feat, normed, k, v = head.step(token, feat, pos[-1:] + i + 1, (keys, values))
             keys, values = torch.cat([keys, k]), torch.cat([values, v])
-            token = head.target_ids(logits.argmax(-1))
+            token = head.target_ids(head.logits(normed).argmax(-1))
         return torch.cat(drafts).tolist()
 
 

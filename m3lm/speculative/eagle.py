@@ -115,12 +115,18 @@ class LlamaRMSNorm(nn.Module):
         return (self.weight.float() * y).to(x.dtype)
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama's rotary embedding over the whole head: x [T, H, D] at positions pos [T]."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+def rope_table(pos: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, D] of Llama's rotary embedding over heads of D at positions pos [T]."""
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=pos.device, dtype=torch.float32) / d)
     ang = pos.float()[:, None] * inv[None]  # [T, D/2]
-    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    return torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float, table=None) -> torch.Tensor:
+    """Llama's rotary embedding over the whole head: x [T, H, D] at positions pos [T] (`table`:
+    their `rope_table`, when already made)."""
+    d = x.shape[-1]
+    cos, sin = table if table is not None else rope_table(pos, d, theta)
     xf = x.float()
     rotated = torch.cat([-xf[..., d // 2 :], xf[..., : d // 2]], -1)
     return (xf * cos + rotated * sin).to(x.dtype)
@@ -205,7 +211,8 @@ class Eagle3(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """T consecutive positions of one sequence: tokens [T] (each position's next token),
         feats [T, C], positions [T], and the keys/values of the positions before them [P, K, D]
-        -> (the feature for the next position [T, C], draft logits [T, Vd], k, v [T, K, D])."""
+        -> (the feature for the next position [T, C], the final-normed states [T, C] that
+        `logits` reads, k, v [T, K, D])."""
         layer, a = self.midlayer, self.args
         e = layer.input_layernorm(self._embed(tokens).to(feats.dtype))
         if a.norm_before_residual:
@@ -215,8 +222,9 @@ class Eagle3(nn.Module):
         x = torch.cat([e, h], -1)  # [T, 2C]
         at = layer.self_attn
         T = x.shape[0]
-        q = rope(at.q_proj(x).view(T, at.h, at.d), pos, at.theta)
-        k = rope(at.k_proj(x).view(T, at.k, at.d), pos, at.theta)
+        table = rope_table(pos, at.d, at.theta)
+        q = rope(at.q_proj(x).view(T, at.h, at.d), pos, at.theta, table)
+        k = rope(at.k_proj(x).view(T, at.k, at.d), pos, at.theta, table)
         v = at.v_proj(x).view(T, at.k, at.d)
         keys, values = torch.cat([past[0], k]), torch.cat([past[1], v])  # [P + T, K, D]
         P = past[0].shape[0]
@@ -231,8 +239,11 @@ class Eagle3(nn.Module):
         h = at.o_proj(o.transpose(0, 1).reshape(T, -1)) + residual
         h = layer.mlp(layer.post_attention_layernorm(h)) + h
         normed = self.norm(h)
-        logits = self._head(normed).float()
-        return (normed if a.norm_output else h), logits, k, v
+        return (normed if a.norm_output else h), normed, k, v
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., Vd] (fp32) of final-normed states."""
+        return self._head(normed).float()
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids (`d2t` holds the offsets)."""
