@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--intermediate-size", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--init", type=Path, default=None, help="start from this drafter's weights")
     a = p.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(a.threads)
@@ -170,6 +171,15 @@ def main(argv: list[str] | None = None) -> dict:
                 prm.fill_(1.0)
             else:
                 prm.normal_(0.0, 0.02)
+    if a.init is not None:
+        from safetensors.torch import load_file
+
+        state = {k: v.float() for k, v in load_file(a.init / "model.safetensors").items()}
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - {"d2t"}:
+            raise SystemExit(
+                f"{a.init}: not this drafter's weights (missing {missing}, unexpected {unexpected})"
+            )
     head.bind(model)
     trainable = [prm for prm in head.parameters() if prm.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95))
