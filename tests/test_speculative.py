@@ -465,3 +465,14 @@ def test_structured_output_requests_run_without_speculation():
     assert out == plain
     assert drafted["0"] == 0 and constrained.num_drafts == 0
     assert drafted["1"] > 0 and free.num_drafts > 0
+
+
+def test_the_story_model_with_its_drafter_tells_the_same_stories_batched():
+    model, tok = m3lm.load(m3lm.DEFAULT_MODEL, device="cpu", dtype=torch.float32)
+    prompts = [tok.encode(t) for t in ("Once upon a time", "Tom and Lily went to the park.", "The sun was")]
+    params = m3lm.SamplingParams(max_tokens=60, **GREEDY)
+    plain, _, _ = run_engine(model, prompts, params)
+    spec = {"method": "eagle3", "model": str(m3lm.DEFAULT_DRAFTER), "num_speculative_tokens": 3}
+    out, _, engine = run_engine(model, prompts, params, speculative_config=spec)
+    assert out == plain
+    assert engine.speculator.stats.mean_acceptance_length > 1.5  # a trained drafter, not a random one
