@@ -147,11 +147,12 @@ def main(argv: list[str] | None = None) -> dict:
         prm.requires_grad_(False)
     if a.cache is not None and a.cache.is_file():
         ids, feats, top_lp, top_ids = torch.load(a.cache)
+        ids = ids.numpy()
     else:
         ids = windows(a.target, a.data_dir, a.length, a.windows)
         feats, top_lp, top_ids = collect(model, ids)
         if a.cache is not None:
-            torch.save((ids, feats, top_lp, top_ids), a.cache)
+            torch.save((torch.from_numpy(ids), feats, top_lp, top_ids), a.cache)
     collected = time.perf_counter() - start
     print(f"collected {ids.size:,} positions in {collected:.0f} s", flush=True)
 
