@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target", type=Path, default=m3lm.DEFAULT_MODEL)
     p.add_argument("--data-dir", type=Path, default=default_data_dir())
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--windows", type=int, default=480)
+    p.add_argument("--windows", type=int, default=1200)
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--minutes", type=float, default=12.0, help="training time, collection not included")
     p.add_argument("--batch-size", type=int, default=4)
