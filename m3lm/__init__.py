@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from m3lm.assets import DEFAULT_MODEL
+from m3lm.assets import DEFAULT_DRAFTER, DEFAULT_MODEL
 from m3lm.version import __version__
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ _HOMES = {
     "MiniMaxM3": "m3lm.models.minimax_m3",
 }
 __all__ = [
+    "DEFAULT_DRAFTER",
     "DEFAULT_MODEL",
     "CheckpointError",
     "ConfigError",

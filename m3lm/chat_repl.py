@@ -48,7 +48,14 @@ def run_chat(model, tokenizer, args, stream, pool: dict) -> int:
         )
     # One engine for the whole conversation: each turn's prompt starts on the pages that the
     # history left in its prefix cache, so only the new message (and the template's tail) is computed.
-    engine = session_engine(model, tokenizer, args.max_model_len, args.msa_dense_window, pool=pool)
+    engine = session_engine(
+        model,
+        tokenizer,
+        args.max_model_len,
+        args.msa_dense_window,
+        pool=pool,
+        speculative_config=args.speculative_config,
+    )
     system = [{"role": "system", "content": args.system}] if args.system else []
     template = {"thinking_mode": args.thinking_mode} if args.thinking_mode else {}
     history: list[dict] = []

@@ -115,13 +115,14 @@ def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
-    start, first, n_prompt, n_gen, cached = time.perf_counter(), None, 0, 0, 0
+    start, first, n_prompt, n_gen, cached, accept = time.perf_counter(), None, 0, 0, 0, None
     chunks = stream_generate(
         model,
         tokenizer,
         msa_dense_window=args.msa_dense_window,
         engine=engine,
         pool=None if engine is not None else _pool(args),
+        speculative_config=None if engine is not None else args.speculative_config,
         **prompt,
         **_sampling(args),
     )
@@ -130,6 +131,7 @@ def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -
             first = first or time.perf_counter()
             printer.add(chunk.token_ids, chunk.text)
             n_prompt, n_gen, cached = chunk.prompt_tokens, chunk.generation_tokens, chunk.cached_tokens
+            accept = chunk.acceptance_length
             if stop.is_set():
                 break
     finally:
@@ -144,9 +146,10 @@ def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -
     gen_tps = (n_gen - 1) / (end - first) if n_gen > 1 and end > first else 0.0
     mem = peak_memory_bytes(model.lm_head.weight.device) / 2**30
     reused = f" ({cached} cached)" if cached else ""
+    spec = f" | mean acceptance length: {accept:.2f}" if accept is not None else ""
     print(
         f"prompt: {n_prompt} tokens{reused}, {(n_prompt - cached) / max(first - start, 1e-9):.1f} tok/s | "
-        f"generation: {n_gen} tokens, {gen_tps:.1f} tok/s | peak memory: {mem:.2f} GiB",
+        f"generation: {n_gen} tokens, {gen_tps:.1f} tok/s{spec} | peak memory: {mem:.2f} GiB",
         file=sys.stderr,
     )
     return printer.answer()
@@ -308,6 +311,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         msa_dense_window=args.msa_dense_window,
         prefix_caching=args.prefix_caching,
+        speculative_config=args.speculative_config,
         threads=args.threads,
         grace_s=args.drain_timeout,
         web_ui=args.web_ui,

@@ -112,6 +112,28 @@ def _dense_window(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _speculative_config(text: str):
+    from m3lm.config import SpeculativeConfig
+    from m3lm.errors import ConfigError
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except (ConfigError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _speculative(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": '
+        '3, "prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "eagle3", "model": DIR, '
+        '"num_speculative_tokens": 3}; outputs are those of plain decoding (default: off)',
+    )
+
+
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="a system prompt (default: none)")
     p.add_argument(
@@ -135,6 +157,7 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
         "template's own)",
     )
     _dense_window(p)
+    _speculative(p)
 
 
 def _pool_flags(p: argparse.ArgumentParser, utilization: float | None, default: str) -> None:
@@ -344,6 +367,7 @@ def build_parser(commands) -> argparse.ArgumentParser:
         "get an error event",
     )
     _dense_window(srv)
+    _speculative(srv)
     srv.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",

@@ -521,6 +521,76 @@ class LoadSpec:
                 raise ValueError("--skip-tokenizer-init needs --tensor-parallel-size 1 (and no torchrun)")
 
 
+SPEC_METHODS = ("ngram", "eagle3")
+SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `--speculative-config` spells it.
+
+    `method`: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of
+    the sequence's last `prompt_lookup_max` down to `prompt_lookup_min` tokens, 5 and 5 unless
+    set) or "eagle3" (an EAGLE-3 drafter checkpoint at `model`). Up to `num_speculative_tokens`
+    drafts per running sequence are verified in each step.
+    """
+
+    method: str
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(
+                f"speculative_config: method = {self.method!r} is not supported (expected one of "
+                f"{', '.join(SPEC_METHODS)})"
+            )
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"speculative_config: {key} = {v!r} must be an integer >= 1")
+        if self.num_speculative_tokens > 64:
+            raise ConfigError(
+                f"speculative_config: num_speculative_tokens = {self.num_speculative_tokens} must be <= 64"
+            )
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = lo or hi or 5, hi or lo or 5  # one given stands for both, as in vLLM
+            if lo > hi:
+                raise ConfigError(
+                    f"speculative_config: prompt_lookup_min = {lo} is above prompt_lookup_max = {hi}"
+                )
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+            if self.model is not None:
+                raise ConfigError('speculative_config: method "ngram" takes no model')
+        elif not self.model:
+            raise ConfigError('speculative_config: method "eagle3" needs "model" (the drafter\'s directory)')
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict or its JSON text (the command line's form); None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config: not JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(SPEC_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(SPEC_KEYS)})"
+            )
+        if "method" not in value:
+            raise ConfigError(f'speculative_config needs "method" ({" or ".join(SPEC_METHODS)})')
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Runtime knobs of the engine (not properties of a checkpoint).
@@ -552,6 +622,8 @@ class EngineConfig:
     index_cache_fp8: bool = False
     prefix_caching: bool = True  # a prompt starts on the cached pages of its longest known prefix
     warmup: bool = True  # compile kernels and capture graphs before serving
+    # drafts verified per step (`SpeculativeConfig`; a dict or its JSON text is read into one)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_tokens"):
@@ -568,6 +640,7 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization = {u!r} must be a number in (0, 1]")
         if self.msa_dense_window is not None and not self.msa_dense_window > 0:
             raise ConfigError(f"msa_dense_window = {self.msa_dense_window!r} must be > 0")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
 
 LOCAL_ONLY = (

@@ -46,6 +46,9 @@ class ForwardBatch:
     kv: KVStore | None = None
     msa_dense_window: float | None = None  # opt-in approximation, see EngineConfig
     decode: DecodeBatch | None = None
+    # layer id -> the residual stream entering that layer [T, C] (id = layers: the last layer's
+    # output), filled by the forward for the ids given (a speculative drafter's inputs)
+    capture: dict[int, torch.Tensor | None] | None = None
     _rope: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def rope(self, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

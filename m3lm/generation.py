@@ -27,6 +27,8 @@ class GenerationChunk:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the engine's prefix cache (`session_engine`)
+    # with speculative decoding: tokens a verification step emitted on average so far
+    acceptance_length: float | None = None
 
 
 @dataclass
@@ -84,6 +86,7 @@ def stream_generate(
     prefill_chunk_size: int = 2048,
     engine: LLMEngine | None = None,
     pool: dict[str, Any] | None = None,
+    speculative_config: Any = None,
     **sampling: Any,
 ) -> Iterator[GenerationChunk]:
     """Yield text increments as they are decided. `sampling` takes SamplingParams fields
@@ -93,13 +96,20 @@ def stream_generate(
     Without `engine`, one sized to this prompt runs it; with one (`session_engine`), the prompt
     starts on the pages its earlier requests left cached (a chat's history is computed once),
     and a prompt longer than its context raises ValueError before anything runs. `pool`: the KV
-    pool's EngineConfig fields for the engine made here (default: the request's length)."""
+    pool's EngineConfig fields for the engine made here (default: the request's length);
+    `speculative_config` its `SpeculativeConfig` (or a dict, or its JSON text)."""
     ids = prompt_ids(tokenizer, prompt, messages, tools, chat_template_kwargs)
     gen_cfg = getattr(model, "generation_config", {})
     params = sampling_params or SamplingParams.from_generation_config(gen_cfg, **sampling)
     if engine is None:
         engine = _one_request_engine(
-            model, tokenizer, len(ids) + params.max_tokens, msa_dense_window, prefill_chunk_size, pool
+            model,
+            tokenizer,
+            len(ids) + params.max_tokens,
+            msa_dense_window,
+            prefill_chunk_size,
+            pool,
+            speculative_config,
         )
     elif engine.has_unfinished():
         raise ValueError("the engine is running another request")
@@ -115,6 +125,7 @@ def stream_generate(
                 prompt_tokens=len(seq.prompt_ids),
                 generation_tokens=len(seq.output_ids),
                 cached_tokens=seq.num_prefix_cached,
+                acceptance_length=1 + seq.num_accepted / seq.num_drafts if seq.num_drafts else None,
             )
     finally:  # a consumer that stops early (or an error) leaves a shared engine idle
         engine.abort(seq.request_id)
@@ -138,19 +149,27 @@ def session_engine(
     msa_dense_window: float | None = None,
     prefill_chunk_size: int = 2048,
     pool: dict[str, Any] | None = None,
+    speculative_config: Any = None,
 ) -> LLMEngine:
     """An engine for one request at a time whose prompts share prefixes (a chat REPL): its cache
     keeps each request's pages after it ends, so `stream_generate(..., engine=...)` computes
     only what a prompt adds to the longest prefix seen before. It holds max_model_len tokens
     (default: `SESSION_CONTEXT`, at most the model's), prompt and reply together; `pool`: the KV
-    pool's EngineConfig fields (default: a pool of max_model_len tokens)."""
+    pool's EngineConfig fields (default: a pool of max_model_len tokens); `speculative_config`
+    as in `stream_generate`."""
     return _one_request_engine(
-        model, tokenizer, max_model_len or SESSION_CONTEXT, msa_dense_window, prefill_chunk_size, pool
+        model,
+        tokenizer,
+        max_model_len or SESSION_CONTEXT,
+        msa_dense_window,
+        prefill_chunk_size,
+        pool,
+        speculative_config,
     )
 
 
 def _one_request_engine(
-    model, tokenizer, context, msa_dense_window, prefill_chunk_size, pool=None
+    model, tokenizer, context, msa_dense_window, prefill_chunk_size, pool=None, speculative_config=None
 ) -> LLMEngine:
     """An engine for one sequence at a time of up to `context` tokens (at most the model's), its
     pool that long unless `pool` (kv_cache_tokens, kv_cache_memory, gpu_memory_utilization) says."""
@@ -162,6 +181,7 @@ def _one_request_engine(
         max_model_len=context,
         max_num_batched_tokens=prefill_chunk_size,
         msa_dense_window=msa_dense_window,
+        speculative_config=speculative_config,
         **({} if sized else {"kv_cache_tokens": context}),
         **pool,
     )

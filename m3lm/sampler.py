@@ -187,15 +187,38 @@ class Sampler:
         output_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
     ) -> SampleOutput:
-        B, V = logits.shape
-        assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == B
-        dev = logits.device
+        assert len(generators) == logits.shape[0]
         raw = logits.float()  # [B, V]
+        x = self.process(raw, params, prompt_ids, output_ids)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            ids = x.argmax(dim=-1)  # [B]
+        else:
+            ids = sample_rows(x, generators, torch.tensor(greedy, dtype=torch.bool, device=x.device))
+        out = SampleOutput(token_ids=ids)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        if asked:
+            out.logprobs, out.top_ids, out.top_logprobs = logprobs(raw, ids, max(asked))
+        return out
+
+    def process(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """The logits [B, V] each row samples from (fp32): logit bias and penalties, then for
+        sampled rows temperature, top_k, top_p and min_p (-inf marks a dropped token); a greedy
+        row takes the argmax of its row."""
+        B, V = logits.shape
+        assert len(params) == len(prompt_ids) == len(output_ids) == B
+        dev = logits.device
 
         def per_row(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)  # [B]
 
-        x = apply_logit_bias(raw, [p.logit_bias for p in params])
+        x = apply_logit_bias(logits.float(), [p.logit_bias for p in params])
         if any(
             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             for p in params
@@ -210,25 +233,16 @@ class Sampler:
                 per_row([p.presence_penalty for p in params]),
                 per_row([p.frequency_penalty for p in params]),
             )
-
-        greedy = [p.greedy for p in params]
-        if all(greedy):
-            ids = x.argmax(dim=-1)  # [B]
-        else:
-            # Greedy rows get neutral filters: argmax would ignore them anyway.
-            rows = [_NEUTRAL if g else p for p, g in zip(params, greedy, strict=True)]
-            if any(p.temperature != 1.0 for p in rows):
-                x = apply_temperature(x, per_row([p.temperature for p in rows]))
-            if any(p.top_k > 0 for p in rows):
-                x = top_k_mask(x, per_row([p.top_k for p in rows], torch.long))
-            if any(p.top_p < 1.0 for p in rows):
-                x = top_p_mask(x, per_row([p.top_p for p in rows]))
-            if any(p.min_p > 0.0 for p in rows):
-                x = min_p_mask(x, per_row([p.min_p for p in rows]))
-            ids = sample_rows(x, generators, per_row(greedy, torch.bool))
-
-        out = SampleOutput(token_ids=ids)
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        if asked:
-            out.logprobs, out.top_ids, out.top_logprobs = logprobs(raw, ids, max(asked))
-        return out
+        if all(p.greedy for p in params):
+            return x
+        # Greedy rows get neutral filters: argmax would ignore them anyway.
+        rows = [_NEUTRAL if p.greedy else p for p in params]
+        if any(p.temperature != 1.0 for p in rows):
+            x = apply_temperature(x, per_row([p.temperature for p in rows]))
+        if any(p.top_k > 0 for p in rows):
+            x = top_k_mask(x, per_row([p.top_k for p in rows], torch.long))
+        if any(p.top_p < 1.0 for p in rows):
+            x = top_p_mask(x, per_row([p.top_p for p in rows]))
+        if any(p.min_p > 0.0 for p in rows):
+            x = min_p_mask(x, per_row([p.min_p for p in rows]))
+        return x

@@ -1,8 +1,9 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
 Pure Python over `BlockManager`, so every policy is testable on the CPU:
-- running sequences go first, oldest first: a decode needs one token, an unfinished prefill
-  the next chunk; then waiting sequences are admitted in arrival order while the step's token
+- running sequences go first, oldest first: a decode needs one token (and one per draft it
+  verifies, while the budget and the pages allow: drafts give way before any preemption), an
+  unfinished prefill the next chunk; then waiting sequences are admitted in arrival order while the step's token
   budget (`max_num_batched_tokens`) and `max_num_seqs` allow, so long prompts are prefilled in
   chunks and never stall running decodes;
 - a sequence whose grammar is still compiling (structured output) stays queued;
@@ -48,8 +49,13 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_cached, budget)
+            del seq.draft_ids[max(budget - 1, 0) :]  # drafts fit in the budget beside their token
+            n = min(seq.num_tokens - seq.num_cached + len(seq.draft_ids), budget)
             while not self.blocks.ensure(seq.seq_id, seq.num_cached + n):
+                if seq.draft_ids:  # drafts give way before any sequence is preempted
+                    n -= len(seq.draft_ids)
+                    seq.draft_ids.clear()
+                    continue
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
@@ -92,6 +98,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.num_cached = 0
+        seq.draft_ids.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING

@@ -129,3 +129,43 @@ def test_evaluate_report(run):
     assert out.read_text() == report
     assert "| MSA (trained indexer) |" in report and "| dense (indexer bypassed) |" in report
     assert "| mean |" in report  # the attention-mass table has rows for the sparse layers
+
+
+def test_the_drafters_unrolled_training_forward_is_the_drafting_forward():
+    """Step j of training/eagle.py's unrolled forward at position s gives the logits drafting
+    gives at its j-th chained step after taking in positions 0 .. s - j (the keys it sees, and
+    the features it reads, are the same)."""
+    from m3lm.speculative.eagle import Eagle3, EagleArgs, published_config
+    from training.eagle import unrolled
+
+    config = published_config(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=48, vocab_size=50, layer_ids=[0, 1, 2],
+    )  # fmt: skip
+    head = Eagle3(EagleArgs.from_dict(config, 2))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    head.bind(None)
+    L = 12
+    tokens = torch.randint(0, 50, (1, L), generator=g)
+    feats = torch.randn(1, L, 96, generator=g)
+    states = unrolled(head, feats, tokens, 3)
+    with torch.no_grad():
+        for j in range(3):
+            s = 7
+            t = s - j  # drafting took in 0 .. t with the target's features
+            empty = torch.zeros(0, 2, 8)
+            feat, normed, k, v = head.step(
+                tokens[0, 1 : t + 2], head.features(feats[0, : t + 1]), torch.arange(t + 1), (empty, empty)
+            )
+            keys, values, feat = k, v, feat[-1:]
+            for i in range(j):  # chained steps at t + 1 .. s, reading the true next tokens
+                feat, normed, k, v = head.step(
+                    tokens[0, t + 2 + i : t + 3 + i], feat, torch.tensor([t + 1 + i]), (keys, values)
+                )
+                keys, values = torch.cat([keys, k]), torch.cat([values, v])
+            want = head.logits(normed[-1])
+            got = head._head(states[j][0, s])
+            assert torch.allclose(got, want, atol=1e-4), (j, (got - want).abs().max())

@@ -179,6 +179,18 @@ class BlockManager:
             else:
                 self._free.append(page)
 
+    def trim(self, seq_id: int, tokens: int) -> None:
+        """Give back the sequence's pages past the first `tokens` positions (the pages that only
+        rejected draft tokens reached). They were allocated for it and never named (`seal` names
+        only pages below the sequence's valid positions), so they go straight back to the free list."""
+        table = self._tables.get(seq_id, [])
+        keep = self.pages_for(tokens)
+        for page in reversed(table[keep:]):
+            assert self._refs[page] == 1 and page not in self._names, "only fresh pages are trimmed"
+            del self._refs[page]
+            self._free.appendleft(page)  # taken again first: still warm in the caches
+        del table[keep:]
+
     def _take(self) -> int:
         if self._free:
             return self._free.popleft()

@@ -27,6 +27,7 @@ from m3lm.engine.constraints import Constraint, Grammars, mask_logits
 from m3lm.engine.memory import peak_activation_bytes, profile_batches
 from m3lm.engine.runner import ModelRunner
 from m3lm.engine.sequence import Sequence
+from m3lm.engine.speculation import EagleDrafter, Speculator, rollback
 from m3lm.errors import ConfigError
 from m3lm.layers.linear import weight_bytes
 from m3lm.models.minimax_m3 import MiniMaxM3
@@ -115,6 +116,7 @@ class LLMEngine:
 
             graphs = DecodeGraphs(model, self.cache, min(config.max_num_seqs, 256), max_pages, num_pages)
         self.runner = ModelRunner(model, self.cache, config.msa_dense_window, graphs, max_pages)
+        self.speculator = self._speculator(num_pages + 1)
         self.sampler = Sampler()
         self.eos_ids = eos_ids_of(tokenizer, self.generation_config, eos_ids)
         source = (lambda: tokenizer) if tokenizer is not None else grammar_tokenizer
@@ -123,6 +125,22 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         log.info("%s", self.info.summary())
+
+    def _speculator(self, num_pages: int) -> Speculator | None:
+        """The speculative decoding of `EngineConfig.speculative_config`: with an EAGLE-3 drafter,
+        loaded beside the model, its key/value pool of `num_pages` pages, and the runner capturing
+        the layers the drafter reads."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        drafter = None
+        if spec.method == "eagle3":
+            from m3lm.speculative.eagle import load_eagle3
+
+            head = load_eagle3(spec.model, self.model, self.model.lm_head.weight.dtype, self.device)
+            drafter = EagleDrafter(head, num_pages, self.model.args.index_block_size, self.device)
+            self.runner.capture = head.args.layer_ids
+        return Speculator(spec, drafter)
 
     def _plan_pool(self, use_graphs: bool) -> PoolPlan:
         """Size the KV pool (`plan_pool`); on a GPU sized from its memory, after measuring the
@@ -270,17 +288,55 @@ class LLMEngine:
         tables = [self.blocks.table(seq.seq_id) for seq, _ in plan]
         ready, logits, scored = self.runner.run(plan, tables)
         for seq, _ in plan:  # name the pages this step filled, for later prompts with the same prefix
-            self.blocks.seal(seq.seq_id, seq.num_cached, seq.tokens)
+            self.blocks.seal(seq.seq_id, seq.num_cached - len(seq.draft_ids), seq.tokens)
+        n_rows = sum(1 + len(s.draft_ids) for s in ready)
         if scored:
-            _score_prompts(logits[len(ready) :], scored)
-            logits = logits[: len(ready)]
+            _score_prompts(logits[n_rows:], scored)
+            logits = logits[:n_rows]
         scored_only = [self._scored_only(s) for s in ready if s.max_tokens == 0]
         if scored_only:  # prompts scored with nothing to generate: they end without a sample
-            keep = [i for i, s in enumerate(ready) if s.max_tokens > 0]
+            keep = [i for i, s in enumerate(ready) if s.max_tokens > 0]  # none of them has drafts
             ready, logits = [ready[i] for i in keep], logits[keep]
         results = started + scored_only
-        if not ready:
-            return results
+        if any(s.draft_ids for s in ready):
+            ready, logits = self._verify(ready, logits, results)
+        if ready:
+            self._sample(ready, logits, results)
+        if self.speculator is not None:
+            self.speculator.propose([s for s, _ in plan], self.blocks, self.runner)
+        return results
+
+    def _verify(self, ready: list[Sequence], logits: torch.Tensor, results: list[StepOutput]):
+        """Verify the drafts of the sequences that hold some (`Speculator.verify`), append what
+        each emits to `results`; returns the other sequences and their rows of `logits`."""
+        plain, plain_rows, spec, spec_rows, at = [], [], [], [], 0
+        for s in ready:
+            n = 1 + len(s.draft_ids)
+            (spec if s.draft_ids else plain).append(s)
+            (spec_rows if s.draft_ids else plain_rows).extend(range(at, at + n))
+            at += n
+        verified = self.speculator.verify(self.sampler, spec, logits[spec_rows])
+        now = time.perf_counter()
+        for seq, v in zip(spec, verified, strict=True):
+            seq.last_token_time = now
+            if not v.finite:
+                results.append(self.fail(seq, "the model produced non-finite logits"))
+                continue
+            rollback(self.blocks, seq, v)
+            try:
+                out = None
+                for token, lp in zip(v.tokens, v.logprobs, strict=True):
+                    one = self._append(seq, token, lp)
+                    out = one if out is None else out.extend(one)
+                    if one.finished:
+                        break
+                results.append(out)
+            except Exception as e:  # a fault in one request's text handling ends that request only
+                results.append(self.fail(seq, f"{type(e).__name__}: {e}"))
+        return plain, logits[plain_rows]
+
+    def _sample(self, ready: list[Sequence], logits: torch.Tensor, results: list[StepOutput]) -> None:
+        """Sample one token for each sequence from its row of `logits`; append them to `results`."""
         finite = torch.isfinite(logits).all(dim=-1)  # of the model's logits, before any mask
         constraints = [s.constraint for s in ready]
         if any(c is not None for c in constraints):
@@ -292,7 +348,7 @@ class LLMEngine:
             [s.output_ids for s in ready],
             [s.generator for s in ready],
         )
-        # The one host transfer of the step: sampled ids, and which rows had non-finite logits.
+        # The one host transfer of these rows: sampled ids, and which rows had non-finite logits.
         token_ids, ok = torch.stack([out.token_ids, finite.to(out.token_ids.dtype)]).tolist()
         lps = _logprobs(out, ready, token_ids)
         now = time.perf_counter()
@@ -306,7 +362,6 @@ class LLMEngine:
                 results.append(self._append(seq, token_ids[i], lps[i]))
             except Exception as e:  # a fault in one request's handling (its grammar) ends it only
                 results.append(self.fail(seq, f"{type(e).__name__}: {e}"))
-        return results
 
     def fail(self, seq: Sequence, message: str) -> StepOutput:
         """End one request with finish_reason "error"; the others go on."""

@@ -46,6 +46,7 @@ def engine_info(engine: LLMEngine, warmup_s: float = 0.0) -> m.ReadyInfo:
 
 def engine_stats(engine: LLMEngine) -> m.Stats:
     s = engine.scheduler
+    spec = engine.speculator.stats if engine.speculator is not None else None
     return m.Stats(
         len(s.running),
         len(s.waiting),
@@ -54,6 +55,11 @@ def engine_stats(engine: LLMEngine) -> m.Stats:
         s.prompt_tokens,
         s.prefix_cached_tokens,
         s.num_preemptions,
+        *(
+            (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_pos))
+            if spec is not None
+            else ()
+        ),
     )
 
 

@@ -99,6 +99,12 @@ class Stats(msgspec.Struct, array_like=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
+    # speculative decoding since start: verifications with drafts, drafted and accepted tokens,
+    # accepted ones by draft position
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):

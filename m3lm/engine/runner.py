@@ -31,38 +31,54 @@ class ModelRunner:
         self.graphs = graphs  # DecodeGraphs on a GPU
         self.table_width = table_width
         self.device = model.lm_head.weight.device
+        self.capture: tuple[int, ...] = ()  # layers whose inputs a drafter reads (`forward_batch`)
+        self.hidden: torch.Tensor | None = None  # the last run's captured states [T, len(capture) * C]
+        self.spans: dict[int, tuple[int, int]] = {}  # seq_id -> (its first row in them, its first position)
 
     @torch.inference_mode()
     def run(
         self, plan: list[tuple[Sequence, int]], tables: list[list[int]]
     ) -> tuple[list[Sequence], torch.Tensor, list[tuple[Sequence, range]]]:
-        """Compute `n` new positions of each planned sequence; returns the sequences that reached
-        their last known token (they sample next), the fp32 logits [R + P, V] of their last
-        positions and then of the P prompt positions that score a prompt token, and which
-        sequence and positions those P rows are (`Sequence.prompt_rows`)."""
+        """Compute `n` new positions of each planned sequence (its drafts, past its known tokens,
+        among them); returns the sequences that reached their last known token (they sample
+        next), the fp32 logits [R + P, V] of their last known position and draft positions
+        (1 + len(draft_ids) rows each) and then of the P prompt positions that score a prompt
+        token, and which sequence and positions those P rows are (`Sequence.prompt_rows`)."""
         decode_only = all(n == 1 and s.num_cached == s.num_tokens - 1 for s, n in plan)
-        if self.graphs is not None and decode_only and len(plan) <= self.graphs.max_batch:
+        if (
+            self.graphs is not None
+            and not self.capture
+            and decode_only
+            and len(plan) <= self.graphs.max_batch
+        ):
             return (*self._decode(plan, tables), [])
         # Single new tokens lead, so that the forward attends to them in one batch.
         order = sorted(range(len(plan)), key=lambda i: plan[i][1] != 1)
         plan, tables = [plan[i] for i in order], [tables[i] for i in order]
         tokens, q_lens, starts, rows, ready, scored, scored_rows = [], [], [], [], [], [], []
-        offset = 0
+        offset, self.spans = 0, {}
         for seq, n in plan:
             start = seq.num_cached
-            tokens.extend(seq.tokens(start, start + n))
+            self.spans[seq.seq_id] = (offset, start)
+            known = min(n, seq.num_tokens - start)  # the rest are drafts to verify
+            tokens.extend(seq.tokens(start, start + known))
+            tokens.extend(seq.draft_ids[: n - known])
             q_lens.append(n)
             starts.append(start)
             if at := seq.prompt_rows(start, n):
                 scored.append((seq, at))
                 scored_rows.extend(offset + p - start for p in at)
-            offset += n
-            if start + n == seq.num_tokens:
-                rows.append(offset - 1)
+            if start + known == seq.num_tokens:  # the last known token and each draft
+                rows.extend(range(offset + known - 1, offset + n))
                 ready.append(seq)
+            offset += n
         step = steps.Step(tokens, q_lens, starts, rows + scored_rows, tables)
         steps.send(self.model.parallel, step)
-        logits = forward_step(self.model, self.cache, step, self.msa_dense_window, self.table_width)
+        capture = dict.fromkeys(self.capture) if self.capture else None
+        logits = forward_step(
+            self.model, self.cache, step, self.msa_dense_window, self.table_width, capture=capture
+        )
+        self.hidden = torch.cat([capture[i] for i in self.capture], -1) if capture else None
         for seq, n in plan:
             seq.num_cached += n
         return ready, logits, scored
@@ -84,6 +100,7 @@ def forward_step(
     msa_dense_window: float | None,
     table_width: int = 0,
     batch_decodes: bool | None = None,
+    capture: dict[int, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """One packed forward of a step's tokens over the paged caches -> fp32 logits [R, V].
 
@@ -103,6 +120,7 @@ def forward_step(
         kv=PagedKV(cache, step.tables, step.starts, step.q_lens),
         msa_dense_window=msa_dense_window,
         decode=decode_rows(step, positions, cache, table_width) if batch_decodes else None,
+        capture=capture,
     )
     ids = torch.tensor(step.tokens, dtype=torch.long, device=dev)
     return model.forward_batch(ids, batch, torch.tensor(step.rows, dtype=torch.long, device=dev))

@@ -39,6 +39,9 @@ class Sequence:
     last_token_time: float | None = None
     num_preemptions: int = 0
     constraint: object = None  # constraints.Constraint, for structured output or a thinking budget
+    draft_ids: list[int] = field(default_factory=list)  # speculated tokens the next step verifies
+    num_drafts: int = 0  # verification steps with drafts (speculative decoding)
+    num_accepted: int = 0  # drafts those steps accepted
 
     @property
     def num_tokens(self) -> int:

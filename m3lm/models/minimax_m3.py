@@ -320,11 +320,16 @@ class MiniMaxM3(nn.Module):
         has static shapes and no host synchronisation, so its step can be captured in a CUDA graph.
         """
         decode = isinstance(batch, DecodeBatch)
+        capture = None if decode else batch.capture
         x, residual = self.model.embed_norm(tokens, fuse=not decode)  # [T, C] each, no embedding scaling
         for i, layer in enumerate(self.model.layers):
             if i:  # the previous output joins the residual stream (a MoE's pairs, A times [T, C], freed)
                 x, residual = layer.input_layernorm(x, residual)
+            if capture is not None and i in capture:
+                capture[i] = residual.clone()  # fused kernels may update the stream in place later
             x, residual = layer(x, residual, batch)
+        if capture is not None and len(self.model.layers) in capture:
+            capture[len(self.model.layers)] = self.model.norm(x, residual)[1].clone()
         if logits_rows is not None:
             x, residual = x[logits_rows], None if residual is None else residual[logits_rows]
         x = self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]  # None: no layers

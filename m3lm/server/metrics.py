@@ -53,8 +53,24 @@ class Metrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.spec_drafts = Counter(
+            "m3lm:spec_decode_num_drafts", "Verification steps of a sequence with drafts", labels, registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "m3lm:spec_decode_num_draft_tokens", "Drafted tokens verified", labels, registry=r
+        )
+        self.spec_accepted = Counter(
+            "m3lm:spec_decode_num_accepted_tokens", "Drafted tokens accepted", labels, registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "m3lm:spec_decode_num_accepted_tokens_per_pos",
+            "Drafted tokens accepted, by their position among a step's drafts",
+            [*labels, "position"],
+            registry=r,
+        )
         self.name = model_name
         self._preempted = 0
+        self._spec = (0, 0, 0, [])  # the engine's speculation counters last seen
         self._prefix = (0, 0)  # the scheduler's (prompt, cached) token counts last seen
 
     def observe_stats(self, stats: Stats) -> None:
@@ -70,6 +86,24 @@ class Metrics:
         if stats.preemptions > self._preempted:
             self.preemptions.labels(m).inc(stats.preemptions - self._preempted)
             self._preempted = stats.preemptions
+        self._observe_spec(stats)
+
+    def _observe_spec(self, stats: Stats) -> None:
+        m, (drafts, tokens, accepted, per_pos) = self.name, self._spec
+        if stats.spec_drafts <= drafts:
+            return
+        self.spec_drafts.labels(m).inc(stats.spec_drafts - drafts)
+        self.spec_draft_tokens.labels(m).inc(stats.spec_draft_tokens - tokens)
+        self.spec_accepted.labels(m).inc(stats.spec_accepted_tokens - accepted)
+        for pos, n in enumerate(stats.spec_accepted_per_pos):
+            before = per_pos[pos] if pos < len(per_pos) else 0
+            self.spec_accepted_per_pos.labels(m, str(pos)).inc(n - before)
+        self._spec = (
+            stats.spec_drafts,
+            stats.spec_draft_tokens,
+            stats.spec_accepted_tokens,
+            list(stats.spec_accepted_per_pos),
+        )
 
     def observe_output(
         self, stream, out: StepOutput, previous: float | None, queued_s: float | None, now: float
