@@ -3,7 +3,7 @@
 On a CPU, a decode step of a small model is a few small matrix products: more threads only add
 the cost of waking them, and on a machine busy with other work each step then waits for a
 thread that has no core. OpenMP's default wait policy makes it worse: a waiting thread spins
-and takes the core that the thread it waits for needs (benchmarks/cpu_threads.py measures it).
+and takes the core that the thread it waits for needs (benchmarks/cpu/cpu_threads.py measures it).
 """
 
 from __future__ import annotations

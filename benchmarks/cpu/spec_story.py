@@ -1,6 +1,6 @@
 """Speculative decoding on the embedded story model with its EAGLE-3 drafter (CPU, batch 1).
 
-    PYTHONPATH=. python3 benchmarks/spec_story.py [--prompts 16] [--max-tokens 128] [--k 3]
+    PYTHONPATH=. python3 benchmarks/cpu/spec_story.py [--prompts 16] [--max-tokens 128] [--k 3]
 
 Prompts are the openings (BOS and the first `--words` words) of held-back stories: the
 validation split of `training/prepare_data.py`, which neither the model nor the drafter trained
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import m3lm
-from benchmarks.report import append_section, device
+from m3lm.bench.report import append_section, machine
 from m3lm.generation import session_engine, stream_generate
 from training.prepare_data import BOS, default_data_dir, load_stories
 
@@ -88,14 +88,14 @@ def main() -> None:
         ]
     )
     print(body)
-    command = "PYTHONPATH=. python3 benchmarks/spec_story.py " + " ".join(
+    command = "PYTHONPATH=. python3 benchmarks/cpu/spec_story.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("out", "data_dir")
     )
     append_section(
         a.out,
         "Speculative decoding: the story model with its EAGLE-3 drafter",
         command,
-        [f"Device: {device()}, one torch thread", f"Prompts: {len(prompts)} held-back story openings"],
+        [f"Device: {machine()}, one torch thread", f"Prompts: {len(prompts)} held-back story openings"],
         body,
     )
 

@@ -7,7 +7,7 @@ httpx, timing the tokens from the first to the last. Each figure is the median o
 runs. The settings: the defaults, `--threads 1`, `--threads 2`, and `--threads 2` with
 `OMP_WAIT_POLICY=ACTIVE` (OpenMP's spinning wait, what a process gets when nobody sets it).
 
-    python3 benchmarks/cpu_threads.py --busy 2 --out benchmarks/results/cpu_threads.md
+    python3 benchmarks/cpu/cpu_threads.py --busy 2 --out benchmarks/results/cpu_threads.md
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def main() -> None:
         append_section(
             args.out,
             "Decode on a busy CPU",
-            "python3 benchmarks/cpu_threads.py " + " ".join(sys.argv[1:]),
+            "python3 benchmarks/cpu/cpu_threads.py " + " ".join(sys.argv[1:]),
             [
                 f"Device: {machine()}",
                 f"{args.busy} spinning processes beside it; the embedded model, greedy, "
