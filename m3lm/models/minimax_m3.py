@@ -64,8 +64,8 @@ class Attention(nn.Module):
         self.attn = MSAAttention(layer_idx, self.scale, self.msa)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | DecodeBatch) -> torch.Tensor:
-        """x [T, C] -> [T, C]. RoPE comes from the batch's table (`ForwardBatch.rope`), made
-        after the projections are queued."""
+        """x [T, C] -> [T, C]. RoPE comes from the batch's table (`batch.rope`), made after the
+        projections are queued."""
         y, outs = self._products(x)  # [T, W] on the GPU, else None; its column slices
         cos, sin = batch.rope(*self.rotary)  # [T, R/2]
         heads = None
