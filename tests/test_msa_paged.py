@@ -78,3 +78,41 @@ def test_bf16_pools_give_bf16_outputs_computed_in_fp32():
     ref = msa_paged.paged_attention(*(t.float() for t in (b16[2], b16[0], b16[1])), tables, lt, 0.25)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref.bfloat16())
+
+
+@pytest.mark.parametrize("index_fp8", [False, True])
+def test_batched_decodes_give_the_per_sequence_logits(index_fp8):
+    """A step of three decodes (one past top-k blocks: a selection; one on pages out of order) and
+    a prefill chunk: the decodes batched over the paged caches give the per-sequence reference's
+    logits and cache contents."""
+    import copy
+
+    from checkpoints import Spec, release_config
+
+    from m3lm.cache.kv_cache import KVCache
+    from m3lm.config import ModelArgs
+    from m3lm.distributed.steps import Step
+    from m3lm.engine.runner import forward_step
+    from m3lm.models.minimax_m3 import MiniMaxM3, random_init_
+
+    args = ModelArgs.from_dict(release_config(Spec(block=4, topk_blocks=2)))
+    model = random_init_(MiniMaxM3(args), seed=2)
+    cache = KVCache(args, 20, "cpu", torch.float32, index_fp8)
+    tables = [[0, 1, 2, 3], [7, 5], [12, 13], [8, 9, 10]]
+    prompts = [[(3 * i + 1) % 90 for i in range(13)], [(5 * i + 2) % 90 for i in range(6)], [7, 8, 9]]
+    with torch.inference_mode():
+        prefill = Step([t for p in prompts for t in p], [13, 6, 3], [0, 0, 0], [12, 18, 21], tables[:3])
+        forward_step(model, cache, prefill, None, batch_decodes=False)
+        step = Step([4, 9, 11, *range(20, 29)], [1, 1, 1, 9], [13, 6, 3, 0], [0, 1, 2, 11], tables)
+        plain = copy.deepcopy(cache)
+        want = forward_step(model, plain, step, None, batch_decodes=False)
+        got = forward_step(model, cache, step, None, batch_decodes=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for ours, theirs in [
+        (cache.k, plain.k),
+        (cache.v, plain.v),
+        (list(cache.ik.values()), list(plain.ik.values())),
+    ]:
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
