@@ -246,7 +246,12 @@ class Decoder(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.vocab_first, vocab_last = part(args.vocab_size, parallel, "vocab_size")
-        self.embed_tokens = nn.Embedding(vocab_last - self.vocab_first, args.hidden_size, dtype=dtype)
+        # Left uninitialised (`_weight`): every weight is loaded or set after construction, and
+        # nn.Embedding's own init on the meta device imports torch's compiler (over a second).
+        rows = vocab_last - self.vocab_first
+        self.embed_tokens = nn.Embedding(
+            rows, args.hidden_size, _weight=torch.empty(rows, args.hidden_size, dtype=dtype)
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(args, i, dtype, parallel) for i in range(args.num_hidden_layers)
         )
