@@ -88,7 +88,7 @@ class MSAAttention(nn.Module):
         cache dtype, an FP8 index cache): the caller then makes the heads itself.
         `shape`: (H, K, D, Di or 0 on full-attention layers); `norms`: the q, k (iq, ik) norm weights."""
         cache, layer = dec.cache, self.layer_idx
-        if y is None or cache.k[layer].dtype != y.dtype or layer in cache.ik_scale:
+        if y is None or not y.is_cuda or cache.k[layer].dtype != y.dtype or layer in cache.ik_scale:
             return None
         from m3lm.kernels import fused
 

@@ -83,13 +83,13 @@ class Attention(nn.Module):
         return self._heads(self._products(x)[1], cos, sin)
 
     def _products(self, x: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """x [T, C] -> (the packed output [T, W] on the GPU, else None; the q, k, v (index q,
-        index k) projections): on the GPU one product over the packed weights, whose column
-        slices are the projections."""
+        """x [T, C] -> (the packed output [T, W], or None where the weights cannot be packed; the
+        q, k, v (index q, index k) projections): one product over the packed weights, whose
+        column slices are the projections."""
         layers = [self.q_proj, self.k_proj, self.v_proj]
         if self.sparse:
             layers += [self.index_q_proj, self.index_k_proj]
-        packed = packed_rows(*layers) if x.is_cuda else None
+        packed = packed_rows(*layers)
         if packed is None:
             return None, [lin(x) for lin in layers]
         y = packed_linear(x, packed)
