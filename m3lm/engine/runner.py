@@ -104,12 +104,16 @@ def forward_step(
 ) -> torch.Tensor:
     """One packed forward of a step's tokens over the paged caches -> fp32 logits [R, V].
 
-    The step's leading single-token sequences attend as one batch (`decode_rows`) where the
-    decode kernels run: on a GPU without the dense window, unless `batch_decodes` says otherwise.
+    The step's leading single-token sequences attend as one batch (`decode_rows`: the Triton
+    kernels on a GPU, batched PyTorch ops on the CPU) without the dense window, unless
+    `batch_decodes` says otherwise. On the CPU their block tables are as wide as the longest:
+    `table_width` (the decode graphs' width) only names the GPU kernels' variants.
     """
     dev = model.lm_head.weight.device
     if batch_decodes is None:
-        batch_decodes = dev.type == "cuda" and msa_dense_window is None
+        batch_decodes = msa_dense_window is None
+    if dev.type != "cuda":
+        table_width = 0
     positions = [
         p for start, n in zip(step.starts, step.q_lens, strict=True) for p in range(start, start + n)
     ]

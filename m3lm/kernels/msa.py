@@ -113,13 +113,14 @@ def msa_attention(
     block_size: int = 0,
     first: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one sequence's queries: GPU kernels on the GPU, the plain reference on the CPU.
+    """Attention of one sequence's queries (`msa_attention_ref`'s function) on fused kernels.
 
-    On the GPU a whole sequence with no selection takes PyTorch's causal flash kernel; anything
-    else (block-sparse, or a chunk after cached keys) the block-sparse Triton kernel.
+    On the CPU PyTorch's fused attention (`msa_attention_sdpa`). On the GPU a whole sequence with
+    no selection takes PyTorch's causal flash kernel; anything else (block-sparse, or a chunk
+    after cached keys) the block-sparse Triton kernel.
     """
     if not q.is_cuda:
-        return msa_attention_ref(q, k, v, q_pos, scale, block_ids, block_size)
+        return msa_attention_sdpa(q, k, v, q_pos, scale, block_ids, block_size)
     if block_ids is None and k.shape[0] == q.shape[0]:
         return msa_attention_sdpa(q, k, v, q_pos, scale)
     from m3lm.kernels.msa_prefill_triton import msa_prefill_attention
@@ -215,7 +216,8 @@ def _sdpa(qg, kg, vg, q_pos, scale, block_ids, block_size) -> torch.Tensor:
         return sdpa(qg, kg, vg, is_causal=True, scale=scale)  # positions 0..T-1 against themselves
     key_pos = torch.arange(tk, device=qg.device)
     out = torch.empty_like(qg)
-    step = max(1, (1 << 28) // max(1, n_kv * tk))
+    budget = (1 << 28) if qg.is_cuda else SCORE_BUDGET  # mask elements per query chunk
+    step = max(1, budget // max(1, n_kv * tk))
     for s in range(0, t_len, step):
         keep = (key_pos[None, :] <= q_pos[s : s + step, None])[None]  # [1, Tc, Tk]
         if block_ids is not None:

@@ -19,9 +19,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, dim, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = packed_rows(self.gate_proj, self.up_proj) if x.is_cuda else None
+        packed = packed_rows(self.gate_proj, self.up_proj)
         if packed is None:
             return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.alpha, self.limit))
+        if not x.is_cuda:  # one product, then the reference activation on its two halves
+            gate, up = packed_linear(x, packed).split(self.gate_proj.out_features, dim=-1)
+            return self.down_proj(swiglu_oai(gate, up, self.alpha, self.limit))
         return self.down_proj(gate_up_swiglu(x, packed, self.alpha, self.limit))
 
 

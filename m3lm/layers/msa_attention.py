@@ -88,7 +88,7 @@ class MSAAttention(nn.Module):
         cache dtype, an FP8 index cache): the caller then makes the heads itself.
         `shape`: (H, K, D, Di or 0 on full-attention layers); `norms`: the q, k (iq, ik) norm weights."""
         cache, layer = dec.cache, self.layer_idx
-        if y is None or cache.k[layer].dtype != y.dtype or layer in cache.ik_scale:
+        if y is None or not y.is_cuda or cache.k[layer].dtype != y.dtype or layer in cache.ik_scale:
             return None
         from m3lm.kernels import fused
 
@@ -109,17 +109,21 @@ class MSAAttention(nn.Module):
 
     def _paged(self, q: torch.Tensor, iq: torch.Tensor | None, dec: DecodeBatch) -> torch.Tensor:
         """Attention of B new tokens q [B, H, D] (index queries iq [B, K, Di]) over the paged
-        caches, their own keys already there (GPU kernels) -> [B, H, D]."""
-        from m3lm.kernels import msa_triton
+        caches, their own keys already there (Triton kernels on the GPU, batched PyTorch ops on
+        the CPU) -> [B, H, D]."""
+        if q.is_cuda:
+            from m3lm.kernels import msa_triton as kernels
+        else:
+            from m3lm.kernels import msa_paged as kernels
 
         cache, layer = dec.cache, self.layer_idx
         block_ids = None
         if self.msa is not None:
             scale = cache.ik_scale.get(layer)  # per-position scales of fp8 index keys, else None
-            scores = msa_triton.index_block_scores(
+            scores = kernels.index_block_scores(
                 iq, cache.ik[layer], dec.tables, dec.lens, scale
             )  # [B, K, MAXP]
-            block_ids = msa_triton.select_blocks(scores, dec.lens, *self.msa)  # [B, K, k]
-        return msa_triton.paged_attention(
+            block_ids = kernels.select_blocks(scores, dec.lens, *self.msa)  # [B, K, k]
+        return kernels.paged_attention(
             q, cache.k[layer], cache.v[layer], dec.tables, dec.lens, self.scale, block_ids
         )

@@ -83,13 +83,13 @@ class Attention(nn.Module):
         return self._heads(self._products(x)[1], cos, sin)
 
     def _products(self, x: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """x [T, C] -> (the packed output [T, W] on the GPU, else None; the q, k, v (index q,
-        index k) projections): on the GPU one product over the packed weights, whose column
-        slices are the projections."""
+        """x [T, C] -> (the packed output [T, W], or None where the weights cannot be packed; the
+        q, k, v (index q, index k) projections): one product over the packed weights, whose
+        column slices are the projections."""
         layers = [self.q_proj, self.k_proj, self.v_proj]
         if self.sparse:
             layers += [self.index_q_proj, self.index_k_proj]
-        packed = packed_rows(*layers) if x.is_cuda else None
+        packed = packed_rows(*layers)
         if packed is None:
             return None, [lin(x) for lin in layers]
         y = packed_linear(x, packed)
@@ -246,7 +246,12 @@ class Decoder(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.vocab_first, vocab_last = part(args.vocab_size, parallel, "vocab_size")
-        self.embed_tokens = nn.Embedding(vocab_last - self.vocab_first, args.hidden_size, dtype=dtype)
+        # Left uninitialised (`_weight`): every weight is loaded or set after construction, and
+        # nn.Embedding's own init on the meta device imports torch's compiler (over a second).
+        rows = vocab_last - self.vocab_first
+        self.embed_tokens = nn.Embedding(
+            rows, args.hidden_size, _weight=torch.empty(rows, args.hidden_size, dtype=dtype)
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(args, i, dtype, parallel) for i in range(args.num_hidden_layers)
         )

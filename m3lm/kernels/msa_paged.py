@@ -1,0 +1,87 @@
+"""MSA decode over the paged caches in plain PyTorch: the CPU's batched decode step.
+
+The same three calls as `msa_triton.py` (index scores, selection, attention), with the same
+arguments and results, for B sequences at once: each is a few whole-batch ops, gathering only the
+pages a row needs, with no loop over sequences and no host synchronisation. Each computes what
+`msa.py`'s references compute for a query at position len - 1 (the same products, masks and
+fp32 softmax; only the order of the sums may differ). Shapes as in `msa_triton.py`: B rows, H
+query heads, K KV heads (= index heads), G = H / K, D head dim, Di index head dim, S page size,
+P pages, MAXP pages per row of the block table, k selected blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from m3lm.kernels.msa import select_blocks_ref
+
+
+def index_block_scores(
+    iq: torch.Tensor,
+    ik_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    ik_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """iq [B, K, Di], ik_pool [P, S, Di], tables [B, MAXP], lens [B] -> [B, K, MAXP] fp32: the max
+    over each page's visible keys of iq . ik; pages past a row's length are -inf. With ik_scale
+    [P, S] the pool holds e4m3 keys, key = pool * scale."""
+    pages = tables.long()
+    keys = ik_pool[pages].float()  # [B, MAXP, S, Di]
+    if ik_scale is not None:
+        keys = keys * ik_scale[pages][..., None]
+    s = torch.einsum("bkd,bpsd->bkps", iq.float(), keys)  # [B, K, MAXP, S]
+    return s.masked_fill(~_visible(lens, *keys.shape[1:3])[:, None], float("-inf")).amax(-1)
+
+
+def select_blocks(
+    scores: torch.Tensor, lens: torch.Tensor, block_size: int, topk: int, local: int, init: int
+) -> torch.Tensor:
+    """Per-group block selection [B, K, topk] from scores [B, K, MAXP] (-1 = unused slot): the rule
+    of `select_blocks_ref` for each row's query at position len - 1 (ids ascending)."""
+    pos = lens.long() - 1
+    return select_blocks_ref(scores.transpose(0, 1), pos, block_size, topk, local, init).transpose(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    block_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention: q [B, H, D] over pools [P, S, K, D] -> [B, H, D] in q's dtype.
+
+    With block_ids [B, K, k] each KV group reads only its selected pages; without, every page of
+    the table (keys at or past a row's length masked). Softmax and accumulation in fp32."""
+    b, h, d = q.shape
+    s, n_kv = k_pool.shape[1], k_pool.shape[2]
+    qg = q.float().view(b, n_kv, h // n_kv, d)  # [B, K, G, D]
+    if block_ids is None:
+        pages = tables.long()  # [B, MAXP]
+        keys, values = k_pool[pages].float(), v_pool[pages].float()  # [B, MAXP, S, K, D]
+        keep = _visible(lens, pages.shape[1], s)  # [B, MAXP, S]
+        scores = torch.einsum("bkgd,bpskd->bkgps", qg, keys) * scale  # [B, K, G, MAXP, S]
+        scores = scores.masked_fill(~keep[:, None, None], float("-inf"))
+        probs = torch.softmax(scores.flatten(-2), dim=-1).view_as(scores)
+        out = torch.einsum("bkgps,bpskd->bkgd", probs, values)
+    else:
+        blocks = block_ids.long()  # [B, K, k]
+        pages = tables.long().gather(1, blocks.clamp(min=0).flatten(1)).view_as(blocks)
+        group = torch.arange(n_kv, device=q.device)[None, :, None]  # [1, K, 1]
+        keys, values = k_pool[pages, :, group].float(), v_pool[pages, :, group].float()  # [B, K, k, S, D]
+        at = blocks[..., None] * s + torch.arange(s, device=q.device)  # [B, K, k, S] positions
+        keep = (blocks[..., None] >= 0) & (at < lens.long()[:, None, None, None])
+        scores = torch.einsum("bkgd,bknsd->bkgns", qg, keys) * scale  # [B, K, G, k, S]
+        scores = scores.masked_fill(~keep[:, :, None], float("-inf"))
+        probs = torch.softmax(scores.flatten(-2), dim=-1).view_as(scores)
+        out = torch.einsum("bkgns,bknsd->bkgd", probs, values)
+    return out.reshape(b, h, d).to(q.dtype)
+
+
+def _visible(lens: torch.Tensor, pages: int, page_size: int) -> torch.Tensor:
+    """[B, pages, S]: whether position p * S + s of each row is below its length."""
+    at = torch.arange(pages * page_size, device=lens.device).view(pages, page_size)
+    return at[None] < lens.long()[:, None, None]
