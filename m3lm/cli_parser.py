@@ -113,8 +113,8 @@ def _dense_window(p: argparse.ArgumentParser) -> None:
 
 
 def _speculative_config(text: str):
-    from m3lm.config import SpeculativeConfig
     from m3lm.errors import ConfigError
+    from m3lm.speculative.config import SpeculativeConfig
 
     try:
         return SpeculativeConfig.parse(text)

@@ -10,10 +10,11 @@ from conftest import golden_params
 from safetensors.torch import load_file
 
 import m3lm
-from m3lm.config import EngineConfig, SpeculativeConfig
+from m3lm.config import EngineConfig
 from m3lm.engine.engine import LLMEngine
 from m3lm.errors import ConfigError
 from m3lm.speculative import ngram
+from m3lm.speculative.config import SpeculativeConfig
 from m3lm.speculative.rejection import acceptance, residual, verify
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

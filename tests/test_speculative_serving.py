@@ -10,12 +10,13 @@ from test_server import API_KEY, LiveServer
 
 import m3lm
 from m3lm.cli import main
-from m3lm.config import EngineConfig, SpeculativeConfig
+from m3lm.config import EngineConfig
 from m3lm.engine.async_engine import AsyncEngine
 from m3lm.engine.engine import LLMEngine
 from m3lm.llm import LLM
 from m3lm.server.app import create_server_app
 from m3lm.server.protocol import Limits
+from m3lm.speculative.config import SpeculativeConfig
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 PROMPT = "Tom had a red ball. Tom had a red ball. Tom had a"

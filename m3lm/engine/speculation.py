@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import torch
 
 from m3lm.cache.block_manager import BlockManager
-from m3lm.config import SpeculativeConfig
 from m3lm.core import TokenLogprob
 from m3lm.engine.sequence import SeqStatus, Sequence
 from m3lm.sampler import Sampler, logprobs
 from m3lm.speculative import ngram
+from m3lm.speculative.config import SpeculativeConfig
 from m3lm.speculative.rejection import draws, verify
 
 
