@@ -445,7 +445,8 @@ def elementwise_kernels():
 
 def mixed_step():
     """A step of two decodes and a prefill chunk: the decodes batched through the decode kernels
-    (`decode_rows`) give the per-sequence path's logits and cache contents."""
+    (`decode_rows`; CPU tensors take `msa_paged`, the Triton kernels' CPU twin) give the
+    per-sequence path's logits and cache contents."""
     import copy
 
     from checkpoints import Spec, release_config
@@ -474,7 +475,7 @@ def mixed_step():
         close(got, want)
         pools = [(cache.k, plain.k), (cache.v, plain.v), (list(cache.ik.values()), list(plain.ik.values()))]
         for a, b in (pair for ours, theirs in pools for pair in zip(ours, theirs, strict=True)):
-            close(a.float(), b.float(), 1e-6)
+            close(a.float(), b.float(), 1e-5)  # later layers' keys carry the attention's rounding
 
 
 def decode_step():
@@ -504,14 +505,15 @@ def decode_step():
             )
             plain = copy.deepcopy(cache)
             # 13 positions of blocks of 4 exceed the top-k 2 blocks: sequence 0 selects
-            want = forward_step(model, plain, Step([4, 9, 11], [1] * 3, q_lens, [0, 1, 2], tables), None)
+            step = Step([4, 9, 11], [1] * 3, q_lens, [0, 1, 2], tables)
+            want = forward_step(model, plain, step, None, batch_decodes=False)
             table = torch.tensor([t + [15] * (4 - len(t)) for t in tables], dtype=torch.int32)
             dec = DecodeBatch.build(torch.tensor(q_lens), table, cache, cache.page_size)
             got = model.forward_batch(torch.tensor([4, 9, 11]), dec)
         close(got, want)
         pools = [(cache.k, plain.k), (cache.v, plain.v), (list(cache.ik.values()), list(plain.ik.values()))]
         for a, b in (pair for ours, theirs in pools for pair in zip(ours, theirs, strict=True)):
-            close(a.float(), b.float(), 1e-6)
+            close(a.float(), b.float(), 1e-5)  # later layers' keys carry the attention's rounding
 
 
 CHECKS = {
