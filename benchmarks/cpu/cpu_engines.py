@@ -23,7 +23,7 @@ each step. m3lm runs `LLMEngine.step` on token ids.
 (e.g. `git worktree add --detach /tmp/base <commit>`): each round a fresh process of each tree
 (order alternating) measures `--baseline-reps` runs after a warm-up and reports their median.
 
-    python3 benchmarks/cpu_engines.py --rounds 5 --baseline /tmp/m3lm-base \\
+    python3 benchmarks/cpu/cpu_engines.py --rounds 5 --baseline /tmp/m3lm-base \\
         --out benchmarks/results/cpu_engines.md
 """
 
@@ -44,7 +44,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what `m3lm` sets; before 
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN, BATCH = 256, 128, 1024, 16
 CASES = {  # name: (prompts, prompt length, new tokens)
     "decode1": (1, PROMPT_LEN, NEW_TOKENS),
@@ -297,8 +297,7 @@ def main() -> None:
 
     from importlib.metadata import version
 
-    from m3lm.bench.report import append_section
-    from m3lm.bench.report import machine as device
+    from m3lm.bench.report import append_section, machine
 
     t0 = time.perf_counter()
     mine = M3lm()
@@ -332,7 +331,7 @@ def main() -> None:
         )  # fmt: skip
     hf_set = hf.settings()
     details = [
-        f"Device: {device()}; Python {platform.python_version()}, torch {torch.__version__}, "
+        f"Device: {machine()}; Python {platform.python_version()}, torch {torch.__version__}, "
         f"transformers {version('transformers')}; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}",
         f"m3lm at {commit(REPO)}; transformers' attention {hf_set['attention']}, experts {hf_set['experts']}",
         f"Load time in this process: m3lm {load_m3lm:.2f} s, transformers (build + state dict) {load_hf:.2f} s",
@@ -343,7 +342,7 @@ def main() -> None:
     body = "\n\n".join(sections)
     print(body)
     if a.out:
-        command = "python3 benchmarks/cpu_engines.py " + shlex.join(sys.argv[1:])
+        command = "python3 benchmarks/cpu/cpu_engines.py " + shlex.join(sys.argv[1:])
         append_section(
             a.out, "The embedded model on the CPU: m3lm against transformers", command, details, body
         )
