@@ -227,7 +227,9 @@ def test_tool_choice(client, live):
     # (arguments it must close: the story model would write a free string to the context's end)
     cities = {"type": "object", "properties": {"city": {"enum": ["paris", "rome"]}}, "required": ["city"]}
     forced = {**kw, "tools": [{**WEATHER, "input_schema": cities}], "max_tokens": 400}
-    for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
+    # one call each (no parallel calls): a sampled model may otherwise write calls to max_tokens
+    one_call = {"disable_parallel_tool_use": True}
+    for choice in ({"type": "tool", "name": "get_weather", **one_call}, {"type": "any", **one_call}):
         reply = client.messages.create(tool_choice=choice, thinking={"type": "disabled"}, **forced)
         calls = [b for b in reply.content if b.type == "tool_use"]
         assert reply.stop_reason == "tool_use" and calls, reply
