@@ -19,6 +19,7 @@ from m3lm.server.handlers import (
     ServerState,
     Slots,
     check_output,
+    collect_choices,
     collect_unless_gone,
     merge,
     openai_sse,
@@ -77,27 +78,13 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
         if req.stream:
             return owning_stream(openai_sse(reply.stream(slots.streams, choices)), slots)
         try:
-            await collect_unless_gone(request, _collect(state, slots.streams, choices))
+            await collect_unless_gone(request, collect_choices(state, slots.streams, choices))
         finally:
             slots.release()
         return reply.whole(choices)
     except BaseException:
         slots.release()
         raise
-
-
-async def _collect(state: ServerState, streams: list[RequestStream], choices: list[Choice]) -> None:
-    async for i, out in merge(streams):  # type: ignore[misc]  # no tick: never None
-        check_output(out)
-        c = choices[i]
-        c.consume(out)
-        if state.tokenizer is not None and out.new_logprobs:
-            c.logprobs += token_logprobs(state.tokenizer, out)
-        c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
-        if c.stopped_by_string:
-            streams[i].abort(completed=True)
-    for c in choices:
-        c.finish = c.finish or "abort"
 
 
 class _Reply:

@@ -30,6 +30,7 @@ from m3lm.engine.async_engine import (
 )
 from m3lm.server.choice import (
     Choice,
+    token_logprobs,
     vllm_prompt_logprobs,
 )
 from m3lm.server.metrics import Metrics
@@ -304,6 +305,22 @@ async def reply_events(
         raise ApiError(503, str(e), "service_unavailable") from None
     finally:
         await events.aclose()
+    for c in choices:
+        c.finish = c.finish or "abort"
+
+
+async def collect_choices(state: ServerState, streams: list[RequestStream], choices: list[Choice]) -> None:
+    """A whole reply's outputs into its choices (text, logprobs, prompt logprobs); a stop string
+    found here ends its engine request. Choices the streams left unfinished end "abort"."""
+    async for i, out in merge(streams):  # type: ignore[misc]  # no tick: never None
+        check_output(out)
+        c = choices[i]
+        c.consume(out)
+        if state.tokenizer is not None and out.new_logprobs:
+            c.logprobs += token_logprobs(state.tokenizer, out)
+        c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
+        if c.stopped_by_string:
+            streams[i].abort(completed=True)
     for c in choices:
         c.finish = c.finish or "abort"
 
