@@ -1,10 +1,12 @@
+import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import interpreter_run
+from tests.support.checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint
+from tests.support.targets import INTERPRETING
 
 try:  # property tests draw the same examples every run, so a run's result does not depend on the
     # draw; HYPOTHESIS_PROFILE=explore draws new ones (a longer search)
@@ -15,43 +17,49 @@ try:  # property tests draw the same examples every run, so a run's result does 
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "m3lm"))
 except ImportError:
     pass
-FIXTURES = Path(os.environ.get("M3LM_FIXTURES", REPO.parent / "shared" / "fixtures"))
-# The outer bound on waiting for a process or a state (a server up, a drain done, a reply): tests
-# wait on what they expect, never on the clock, so a busy machine makes them slow, not red; this
-# bound only stops a test that would otherwise hang.
-PATIENCE_S = float(os.environ.get("M3LM_TEST_PATIENCE_S", 1800))
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def fixture_dirs() -> list[Path]:
-    """Every golden checkpoint under ../shared/fixtures (none in a user's clone)."""
-    if not FIXTURES.is_dir():
-        return []
-    return sorted(p for p in FIXTURES.iterdir() if (p / "expected.safetensors").is_file())
-
-
-def golden_params():
-    dirs = fixture_dirs()
-    if not dirs:
-        return [pytest.param(None, marks=pytest.mark.skip(reason=f"no golden fixtures at {FIXTURES}"))]
-    return [pytest.param(d, id=d.name) for d in dirs]
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    """A tiny random release-layout checkpoint (no tokenizer; read only)."""
+    s = Spec()
+    path = tmp_path_factory.mktemp("tiny")
+    return write_checkpoint(path, to_release(hf_model(s, seed=5).state_dict(), s), release_config(s))
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_gpu = None
+    if not torch.cuda.is_available():
+        no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    elif INTERPRETING:
+        no_gpu = pytest.mark.skip(reason="TRITON_INTERPRET=1: Triton's kernels run in its interpreter")
+    no_triton = pytest.mark.skip(reason="Triton is not installed (requirements/test.txt brings it)")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "cuda" in item.keywords and no_gpu is not None:
+            item.add_marker(no_gpu)
+        if "interpreter" in item.keywords and not HAS_TRITON:
+            item.add_marker(no_triton)
+
+
+def _interpreted_here(item) -> bool:
+    return "interpreter" in item.keywords and HAS_TRITON and not INTERPRETING
 
 
 def pytest_collection_finish(session):
-    names = [
-        item.callspec.params["name"]
-        for item in session.items
-        if getattr(item.module, "__name__", "") == "test_kernels_interpreted"
-    ]
-    if names:  # the interpreter's checks run beside the rest of the suite
-        import test_kernels_interpreted
+    nodeids = [item.nodeid for item in session.items if _interpreted_here(item)]
+    if nodeids:  # the interpreter's cases start now, in a child process beside the rest of the suite
+        interpreter_run.start(nodeids)
 
-        test_kernels_interpreted.start_checks(names)
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if not _interpreted_here(pyfuncitem):
+        return None
+    got = interpreter_run.result(pyfuncitem.nodeid)  # the child's outcome of this very case
+    if got["outcome"] == "skipped":
+        pytest.skip(got["text"])
+    if got["outcome"] != "passed":
+        pytest.fail(f"in Triton's interpreter (TRITON_INTERPRET=1):\n{got['text']}", pytrace=False)
+    return True

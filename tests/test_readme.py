@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import PATIENCE_S, REPO
-from test_serve_lifecycle import Serve
+
+from tests.support.paths import PATIENCE_S, REPO
+from tests.support.processes import Serve
 
 README = (REPO / "README.md").read_text()
 SNIPPETS = re.findall(r"^```python\n(.*?)^```", README, re.M | re.S)

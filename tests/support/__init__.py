@@ -1,0 +1,1 @@
+"""What the tests share that is not a fixture: checkpoint writers, servers, processes, paths."""
