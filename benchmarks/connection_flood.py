@@ -19,7 +19,7 @@ how long it kept an idle one, and how often the flood had to reconnect. Run from
 
     python3 benchmarks/connection_flood.py --out benchmarks/results/connection_flood.md
 
-It prints a Markdown report; `--out` appends it with the command, date and device. The exit status
+It prints a Markdown report; `--out` writes it, with the command, date and device. The exit status
 is 1 when the check fails.
 """
 
@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 from serve_bench import Server
 
-from m3lm.bench.report import append_section, machine
+from m3lm.bench.report import machine, write_section
 
 KEY = "sk-flood-bench"
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "m3lm" / "assets" / "story")
@@ -271,7 +271,7 @@ def main() -> int:
     print(body)
     if a.out:
         command = "python3 " + " ".join(shlex.quote(x) for x in sys.argv)
-        append_section(
+        write_section(
             a.out,
             "Connection flood: tricklers after a 401 and idle sockets against an authenticated client",
             command,

@@ -24,7 +24,7 @@ import torch
 from serve_bench import Server
 
 import m3lm
-from m3lm.bench.report import append_section, machine
+from m3lm.bench.report import machine, write_section
 
 TASK_DIR = Path(__file__).resolve().parent / "lm_eval"
 
@@ -104,7 +104,7 @@ def main() -> None:
             f"`benchmarks/lm_eval/story_choice.yaml` (loglikelihood, 4 choices); lm-eval {lm_version or '?'}",
             f"Device: {machine()}",
         ]
-        append_section(a.out, "lm-eval over HTTP: a loglikelihood task", cmd, details, body)
+        write_section(a.out, "lm-eval over HTTP: a loglikelihood task", cmd, details, body)
     if gap > 1e-3 or acc != ref_acc:
         sys.exit("the served scores differ from the model's own")
 

@@ -24,7 +24,7 @@ Run from the repository root:
 
     python3 benchmarks/load_memory.py --out benchmarks/results/load_memory.md
 
-`--out` appends a dated section (command, device, torch version, figures) to the file.
+`--out` writes a dated section (command, device, torch version, figures) to the file.
 `--workdir DIR` keeps the generated checkpoint in DIR instead of a temporary directory.
 
 `--tensor-parallel 1,2,4` (and `--expert-parallel`) measures sharded loading instead: for each
@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from m3lm.bench.report import append_section, machine
+from m3lm.bench.report import machine, write_section
 from m3lm.config import ModelArgs, release_config
 from m3lm.models.minimax_m3 import MiniMaxM3, release_name
 
@@ -241,7 +241,7 @@ def sharded_report(path: Path, sizes: list[int], ep: bool, n_shards: int, disk: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, help="append a dated Markdown section to this file")
+    ap.add_argument("--out", type=Path, help="write a dated Markdown section to this file (its latest run)")
     ap.add_argument(
         "--workdir", type=Path, help="write the checkpoint here and keep it (default: a temp dir)"
     )
@@ -275,7 +275,7 @@ def main() -> None:
     print(table)
     if a.out:
         details = [f"Device: {machine()}; Python {platform.python_version()}, torch {torch.__version__}"]
-        append_section(a.out, title, command, details, table)
+        write_section(a.out, title, command, details, table)
 
 
 if __name__ == "__main__":

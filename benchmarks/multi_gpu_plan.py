@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from m3lm.bench.report import append_section, machine
+from m3lm.bench.report import machine, write_section
 from m3lm.bench.tp_slice import slice_args
 from m3lm.cache.kv_cache import KVCache
 from m3lm.config import ModelArgs
@@ -167,7 +167,7 @@ def report() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="append a dated section to this Markdown file")
+    p.add_argument("--out", default=None, help="write a dated section to this Markdown file (its latest run)")
     ns = p.parse_args()
     body = report()
     command = "python benchmarks/multi_gpu_plan.py " + shlex.join(sys.argv[1:])
@@ -176,7 +176,7 @@ def main() -> None:
     ]
     print(body)
     if ns.out:
-        append_section(Path(ns.out), "Multi-GPU memory plan", command, details, body)
+        write_section(Path(ns.out), "Multi-GPU memory plan", command, details, body)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ of each run and the ratios of the best rounds (on a shared machine, the runs lea
 other work) and of the rounds' medians. A constrained request may end when its grammar does (its token count is
 then below `--output-len`, and counts as it is); TPOT is per token either way.
 
-`--out` appends a dated section (command, device, versions, figures) to the file.
+`--out` writes a dated section (command, device, versions, figures) to the file.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-from m3lm.bench.report import append_section, machine
+from m3lm.bench.plot import line_plot
+from m3lm.bench.report import machine, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -497,6 +498,19 @@ def builds_ab(a: argparse.Namespace, deadline: float) -> str:
     return "\n".join(lines)
 
 
+def latency_series(levels: list[int], rows: list[dict[str, str]]) -> dict[str, list[tuple[float, float]]]:
+    """Median TTFT and TPOT against concurrency, from the table's rows (two levels or more)."""
+    if len(levels) < 2:
+        return {}
+    return {
+        name: [
+            (c, float(r[f"{name} mean / median / p99 (ms)"].split(" / ")[1]))
+            for c, r in zip(levels, rows, strict=True)
+        ]
+        for name in ("TTFT", "TPOT")
+    }
+
+
 def table(levels: list, rows: list[dict[str, str]]) -> str:
     head = "| concurrency | " + " | ".join(str(c) for c in levels) + " |"
     lines = [head, "|---|" + "---:|" * len(levels)]
@@ -598,7 +612,7 @@ def main() -> None:
         help="another source tree (an earlier build checked out): --rounds fresh servers of each, "
         "alternated, and the ratios of this build to it (--model only)",
     )
-    ap.add_argument("--out", type=Path, help="append a dated Markdown section to this file")
+    ap.add_argument("--out", type=Path, help="write a dated Markdown section to this file (its latest run)")
     a = ap.parse_args()
     try:
         lengths = [length(x, random.Random(0)) for x in (a.input_len, a.output_len)]
@@ -629,7 +643,7 @@ def main() -> None:
                 f"Device: {machine()}; Python {platform.python_version()}, torch {version('torch')} "
                 f"(client and server on the same machine; load average {load:.2f} at the start)",
             ]
-            append_section(
+            write_section(
                 a.out, "Online serving: this build against a baseline build", command, details, result
             )
         return
@@ -671,7 +685,12 @@ def main() -> None:
             f"Device: {machine()}; Python {platform.python_version()}, torch {version('torch')} "
             f"(client and server on the same machine; load average {load:.2f} at the start)",
         ]
-        append_section(a.out, "Online serving: throughput and latency", command, details, result)
+        write_section(a.out, "Online serving: throughput and latency", command, details, result)
+        if not a.response_format:
+            line_plot(
+                a.out.with_suffix(".png"), "Serving latency against concurrency", "concurrent requests",
+                "ms (median)", latency_series(done, rows), logx=True, logy=True,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":

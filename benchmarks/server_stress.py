@@ -16,7 +16,7 @@ reason; no stream's gap between two tokens exceeds `--max-gap-s` (2 s); afterwar
 
     python3 benchmarks/server_stress.py --out benchmarks/results/server_stress.md
 
-It prints a Markdown report; `--out` appends it with the command, date and device. The exit status
+It prints a Markdown report; `--out` writes it, with the command, date and device. The exit status
 is 1 when a check fails.
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 from serve_bench import Server, scrape
 
-from m3lm.bench.report import append_section, machine
+from m3lm.bench.report import machine, write_section
 
 
 @dataclass
@@ -215,7 +215,7 @@ def main() -> None:
     print(body)
     if a.out:
         command = "python3 benchmarks/server_stress.py " + shlex.join(sys.argv[1:])
-        append_section(
+        write_section(
             a.out,
             "Server stress: clients over slots, hang-ups, a huge prompt",
             command,

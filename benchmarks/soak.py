@@ -27,7 +27,7 @@ SIGTERM and checks that it exits cleanly with no traceback in its log. Loopback 
 
     python3 benchmarks/soak.py --minutes 3 --out benchmarks/results/soak.md
 
-It prints a Markdown report; `--out` appends it with the command, date, device and versions.
+It prints a Markdown report; `--out` writes it, with the command, date, device and versions.
 The exit status is 1 when a check fails.
 """
 
@@ -52,7 +52,7 @@ from pathlib import Path
 import httpx
 from serve_bench import REPO, Server, percentile, scrape
 
-from m3lm.bench.report import append_section, machine
+from m3lm.bench.report import machine, write_section
 
 MIX = {
     "chat_stream": 20,
@@ -427,7 +427,7 @@ def main() -> None:
     ap.add_argument("--sample-every", type=float, default=2.0, help="seconds between RSS/metrics samples")
     ap.add_argument("--request-timeout", type=float, default=60.0)
     ap.add_argument("--rss-tolerance-mb", type=float, default=32.0)
-    ap.add_argument("--out", type=Path, help="append the Markdown report to this file")
+    ap.add_argument("--out", type=Path, help="write the Markdown report to this file (its latest run)")
     a = ap.parse_args()
     if a.minutes * 60 <= a.warmup or a.concurrency < 1:
         ap.error("--minutes must be longer than --warmup and --concurrency positive")
@@ -472,7 +472,7 @@ def main() -> None:
             f"Device: {machine()}; Python {platform.python_version()}, torch {version('torch')} "
             f"(client and server on the same machine; load average {load_avg:.2f} at the start)",
         ]
-        append_section(a.out, "Soak test: mixed and aborted traffic", command, details, body)
+        write_section(a.out, "Soak test: mixed and aborted traffic", command, details, body)
     sys.exit(0 if ok else 1)
 
 

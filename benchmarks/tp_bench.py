@@ -13,7 +13,7 @@ with CUDA events after a barrier, reported from rank 0 (median of `--iters`):
 
 Each case is also timed at depth 0 (embedding + final norm + lm_head) and depth 1 (plus the
 dense layer 0), which gives one MoE + MSA layer by subtraction and the 60-layer projection: head
-+ 3 dense + 57 MoE + MSA layers, set beside the published vLLM figures. `--out FILE` appends a
++ 3 dense + 57 MoE + MSA layers, set beside the published vLLM figures. `--out FILE` writes a
 dated section. NCCL_NVLS_ENABLE is set to 0 (any other value is refused).
 
     torchrun --nproc-per-node 8 benchmarks/tp_bench.py --layers 16 --expert-parallel
@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tp_check import barrier, check, golden
 
-from m3lm.bench.report import append_section, machine
+from m3lm.bench.report import machine, write_section
 from m3lm.bench.timing import event_ms
 from m3lm.bench.tp_slice import (
     Depth,
@@ -219,7 +219,7 @@ def report(ns, pc: ParallelConfig, dev: torch.device, rows: list[dict], notes: l
     body = (table(rows, ns.layers) + "\n\n" if rows else "") + "\n".join(f"- {n}" for n in notes)
     print("\n\n".join([f"Command: `{command}`", *details, body]), flush=True)
     if ns.out:
-        append_section(Path(ns.out), "Tensor-parallel slice benchmarks", command, details, body)
+        write_section(Path(ns.out), "Tensor-parallel slice benchmarks", command, details, body)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -242,7 +242,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check", action="store_true", help="sharded logits against a single-device run first")
     p.add_argument("--check-layers", type=int, default=2)
     p.add_argument("--golden", nargs="*", default=[], metavar="DIR", help="golden fixtures to check first")
-    p.add_argument("--out", default=None, help="append a dated section to this Markdown file")
+    p.add_argument("--out", default=None, help="write a dated section to this Markdown file (its latest run)")
     ns = p.parse_args(argv)
     ns.argv = list(sys.argv[1:] if argv is None else argv)
     ns.layers = ns.layers or (3 if ns.tiny else 16)

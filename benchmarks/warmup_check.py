@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from m3lm.bench.report import append_section, machine
+from m3lm.bench.report import machine, write_section
 from m3lm.bench.slice import build_slice
 from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams
@@ -98,7 +98,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--out", type=Path, help="append a dated Markdown section to this file")
+    p.add_argument("--out", type=Path, help="write a dated Markdown section to this file (its latest run)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.perf_counter()
@@ -140,7 +140,7 @@ def main() -> None:
             f"{'MXFP8' if a.fp8 else 'bf16'}, random weights; max_num_seqs {a.max_num_seqs}, "
             f"max_model_len {a.max_model_len}"
         ]
-        append_section(a.out, "Compiling while serving", "python " + " ".join(sys.argv), details, body)
+        write_section(a.out, "Compiling while serving", "python " + " ".join(sys.argv), details, body)
 
 
 if __name__ == "__main__":

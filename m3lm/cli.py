@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 from m3lm.errors import M3lmError
 from m3lm.threads import quiet_waits
@@ -325,6 +326,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise M3lmError("m3lm bench needs an NVIDIA GPU")
+    from m3lm.bench.plot import decode_series, line_plot
     from m3lm.bench.report import markdown
     from m3lm.bench.run import run
 
@@ -336,8 +338,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = markdown(rows, "m3lm " + " ".join(sys.argv[1:]), notes)
     print(report)
     if args.out:
-        with open(args.out, "a") as f:
-            f.write(report + "\n")
+        out = Path(args.out)
+        out.write_text("# m3lm bench: a slice of MiniMax-M3 at the release's dimensions\n\n" + report)
+        series = decode_series([(r.case, r.ms) for r in rows])
+        line_plot(
+            out.with_suffix(".png"),
+            "Decode step time against context",
+            "context (tokens)",
+            "ms per step",
+            series,
+            logx=True,
+        )
     return 0
 
 

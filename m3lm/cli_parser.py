@@ -415,7 +415,10 @@ def build_parser(commands) -> argparse.ArgumentParser:
         help="time transformers' implementation on the same slice",
     )
     bn.add_argument(
-        "--out", default=None, metavar="FILE", help="append the Markdown report to this file (default: none)"
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="write the Markdown report to this file, and a plot of decode step time against context beside it (default: none)",
     )
 
     for p in (gen, chat, srv):

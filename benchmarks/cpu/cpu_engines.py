@@ -288,7 +288,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--baseline", type=Path, help="an m3lm source tree to compare decode1 at 1 thread with")
     ap.add_argument("--baseline-reps", type=int, default=3)
-    ap.add_argument("--out", type=Path, help="append a dated section to this file")
+    ap.add_argument("--out", type=Path, help="write a dated section to this file (its latest run)")
     ap.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -297,7 +297,7 @@ def main() -> None:
 
     from importlib.metadata import version
 
-    from m3lm.bench.report import append_section, machine
+    from m3lm.bench.report import machine, write_section
 
     t0 = time.perf_counter()
     mine = M3lm()
@@ -343,7 +343,7 @@ def main() -> None:
     print(body)
     if a.out:
         command = "python3 benchmarks/cpu/cpu_engines.py " + shlex.join(sys.argv[1:])
-        append_section(
+        write_section(
             a.out, "The embedded model on the CPU: m3lm against transformers", command, details, body
         )
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from m3lm.bench.report import append_section, machine
+from m3lm.bench.report import machine, write_section
 
 SETTINGS = {  # name: (extra flags, extra environment)
     "default": ([], {}),
@@ -129,7 +129,7 @@ def main() -> None:
     table = "\n".join(rows)
     print(table)
     if args.out:
-        append_section(
+        write_section(
             args.out,
             "Decode on a busy CPU",
             "python3 benchmarks/cpu/cpu_threads.py " + " ".join(sys.argv[1:]),

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import m3lm
-from m3lm.bench.report import append_section, machine
+from m3lm.bench.report import machine, write_section
 from m3lm.generation import session_engine, stream_generate
 from training.prepare_data import BOS, default_data_dir, load_stories
 
@@ -91,7 +91,7 @@ def main() -> None:
     command = "PYTHONPATH=. python3 benchmarks/cpu/spec_story.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k not in ("out", "data_dir")
     )
-    append_section(
+    write_section(
         a.out,
         "Speculative decoding: the story model with its EAGLE-3 drafter",
         command,

@@ -207,7 +207,11 @@ def rate_us(us: float | None, nbytes: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, help="also append the lines as a dated Markdown section to this file")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="also write the lines as a dated Markdown section to this file (its latest run)",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the shapes and configurations, touch no GPU")
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--skip-dense", action="store_true")
@@ -231,7 +235,7 @@ def main() -> None:
         details = [f"Device: {props.name}, torch {torch.__version__}, triton {triton.__version__}"]
         cmd = "python3 benchmarks/tune/fp8_configs.py " + " ".join(sys.argv[1:])
         body = "```\n" + "\n".join(log.lines) + "\n```"
-        report.append_section(args.out, "MXFP8 decode tiles (release dimensions)", cmd, details, body)
+        report.write_section(args.out, "MXFP8 decode tiles (release dimensions)", cmd, details, body)
 
 
 if __name__ == "__main__":

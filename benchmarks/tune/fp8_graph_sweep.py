@@ -130,7 +130,7 @@ def main() -> None:
         moe(say)
     if args.out:
         dev = f"Device: {torch.cuda.get_device_name()}, torch {torch.__version__}"
-        report.append_section(
+        report.write_section(
             args.out, "MXFP8 decode products in a CUDA graph", "python3 benchmarks/tune/fp8_graph_sweep.py",
             [dev], "```\n" + "\n".join(lines) + "\n```",
         )  # fmt: skip

@@ -163,13 +163,20 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {int(mem.split()[1]) * 1024 / 2**30:.1f} GiB RAM"
 
 
-def append_section(out: Path, title: str, command: str, details: list[str], body: str) -> None:
-    """Append `## <date>`, the command, detail lines and the body to `out` (titled when new)."""
+_WRITTEN: set[Path] = set()  # results files this process has written: its later sections follow
+
+
+def write_section(out: Path, title: str, command: str, details: list[str], body: str) -> None:
+    """`# title`, then `## <date>`, the command, detail lines and the body, to `out`.
+
+    A results file holds its latest run: the first section a process writes replaces the file
+    (earlier runs stay in the repository's history); its later sections follow that one."""
     date = datetime.now(timezone.utc).strftime("%a %b %d %H:%M:%S UTC %Y")
     parts = [f"## {date}", f"Command: `{command}`", *details, body]
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as f:
-        f.write(
-            ("\n" if out.exists() and out.stat().st_size else f"# {title}\n\n") + "\n\n".join(parts) + "\n"
-        )
-    print(f"appended to {out}")
+    fresh = out.resolve() not in _WRITTEN
+    _WRITTEN.add(out.resolve())
+    with out.open("w" if fresh else "a") as f:
+        f.write((f"# {title}\n\n" if fresh else "\n") + "\n\n".join(parts) + "\n")
+    print(f"wrote {out}")
