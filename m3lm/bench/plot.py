@@ -32,6 +32,7 @@ def line_plot(
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print(f"no plot {path}: matplotlib is not installed (pip install 'm3lm[plot]')")
         return None
@@ -42,8 +43,13 @@ def line_plot(
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     if logx:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({x for points in series.values() for x, _ in points}))
     if logy:
         ax.set_yscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 4096, not 2^12
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(plain)
+        axis.set_minor_formatter(plain if axis is ax.yaxis and logy else matplotlib.ticker.NullFormatter())
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
