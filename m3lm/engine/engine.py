@@ -100,7 +100,9 @@ class LLMEngine:
             and config.cuda_graphs
             and config.msa_dense_window is None
         )
-        pool = self._plan_pool(use_graphs)
+        head = self._load_drafter()  # before the pool is sized: its weights count among the weights
+        extra = EagleDrafter.bytes_per_page(head, args.index_block_size) if head is not None else 0
+        pool = self._plan_pool(use_graphs, extra)
         self.max_model_len, num_pages, page = pool.max_model_len, pool.pages, args.index_block_size
         kv_heads = model.model.layers[0].self_attn.n_kv  # this rank's, under tensor parallelism
         # One spare page beyond the block manager's: padding rows of graph-captured steps write there.
@@ -116,7 +118,7 @@ class LLMEngine:
 
             graphs = DecodeGraphs(model, self.cache, min(config.max_num_seqs, 256), max_pages, num_pages)
         self.runner = ModelRunner(model, self.cache, config.msa_dense_window, graphs, max_pages)
-        self.speculator = self._speculator(num_pages + 1)
+        self.speculator = self._speculator(head, num_pages + 1)
         self.sampler = Sampler()
         self.eos_ids = eos_ids_of(tokenizer, self.generation_config, eos_ids)
         source = (lambda: tokenizer) if tokenizer is not None else grammar_tokenizer
@@ -126,25 +128,32 @@ class LLMEngine:
         self._ids = itertools.count()
         log.info("%s", self.info.summary())
 
-    def _speculator(self, num_pages: int) -> Speculator | None:
-        """The speculative decoding of `EngineConfig.speculative_config`: with an EAGLE-3 drafter,
-        loaded beside the model, its key/value pool of `num_pages` pages, and the runner capturing
-        the layers the drafter reads."""
+    def _load_drafter(self):
+        """The EAGLE-3 head of `EngineConfig.speculative_config`, loaded beside the model (None
+        without one)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "eagle3":
+            return None
+        from m3lm.speculative.eagle import load_eagle3
+
+        return load_eagle3(spec.model, self.model, self.model.lm_head.weight.dtype, self.device)
+
+    def _speculator(self, head, num_pages: int) -> Speculator | None:
+        """The speculative decoding of `EngineConfig.speculative_config`: with an EAGLE-3 `head`,
+        its key/value pool of `num_pages` pages, and the runner capturing the layers it reads."""
         spec = self.config.speculative_config
         if spec is None:
             return None
         drafter = None
-        if spec.method == "eagle3":
-            from m3lm.speculative.eagle import load_eagle3
-
-            head = load_eagle3(spec.model, self.model, self.model.lm_head.weight.dtype, self.device)
+        if head is not None:
             drafter = EagleDrafter(head, num_pages, self.model.args.index_block_size, self.device)
             self.runner.capture = head.args.layer_ids
         return Speculator(spec, drafter)
 
-    def _plan_pool(self, use_graphs: bool) -> PoolPlan:
+    def _plan_pool(self, use_graphs: bool, drafter_bytes_per_page: int = 0) -> PoolPlan:
         """Size the KV pool (`plan_pool`); on a GPU sized from its memory, after measuring the
-        peak activation of the largest step. Sets `self.info`."""
+        peak activation of the largest step. A drafter's pool has as many pages as the model's,
+        so its bytes per page count in each page's. Sets `self.info`."""
         model, config = self.model, self.config
         args, weight = model.args, model.lm_head.weight
         kv_heads = model.model.layers[0].self_attn.n_kv
@@ -164,7 +173,8 @@ class LLMEngine:
                 "reserve_bytes": reserve,
             }
         plan = plan_pool(
-            bytes_per_page=KVCache.bytes_per_page(args, weight.dtype, config.index_cache_fp8, kv_heads),
+            bytes_per_page=KVCache.bytes_per_page(args, weight.dtype, config.index_cache_fp8, kv_heads)
+            + drafter_bytes_per_page,
             page_size=args.index_block_size,
             max_positions=max_pos,
             max_num_seqs=config.max_num_seqs,

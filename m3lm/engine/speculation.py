@@ -70,6 +70,12 @@ class EagleDrafter:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
+    @staticmethod
+    def bytes_per_page(head, page_size: int) -> int:
+        """Bytes of one page of the drafter's pool (its keys and values)."""
+        a = head.args
+        return 2 * page_size * a.num_key_value_heads * a.head_dim * head.fc.weight.element_size()
+
     @torch.inference_mode()
     def draft(
         self, seq: Sequence, table: list[int], hidden: torch.Tensor, start: int, room: int

@@ -361,6 +361,28 @@ def test_a_random_drafter_in_the_published_format_loads_and_drafts(tiny, tmp_pat
     assert engine.runner.capture == (1, 1, 2)
 
 
+def test_the_kv_pool_counts_the_drafters_pages(tiny, tmp_path):
+    """The drafter's key/value pool has a page for each of the model's, so a pool sized in bytes
+    holds pages of both: the memory given is not overrun by the drafter's."""
+    from m3lm.cache.kv_cache import KVCache
+    from m3lm.speculative.eagle import random_drafter
+
+    path = random_drafter(tmp_path / "drafter", drafter_config(tiny), seed=1)
+    a = tiny.args
+    target = KVCache.bytes_per_page(a, tiny.lm_head.weight.dtype)
+    c = drafter_config(tiny)
+    drafter = 2 * a.index_block_size * c["num_key_value_heads"] * c["head_dim"] * 4  # fp32
+    memory = 40 * (target + drafter) + target  # 40 pages of both, not 41 of the model's alone
+    plain = LLMEngine(tiny, None, EngineConfig(kv_cache_memory=memory, max_model_len=64))
+    engine = LLMEngine(
+        tiny, None, EngineConfig(kv_cache_memory=memory, max_model_len=64, speculative_config=eagle(path))
+    )
+    assert plain.blocks.num_pages > 40 and engine.blocks.num_pages == 40
+    pool = engine.speculator.drafter.k
+    assert pool.shape[0] == engine.cache.k[0].shape[0] == 41  # the spare page too
+    assert engine.info.pool_bytes == 40 * (target + drafter)
+
+
 def test_a_drafter_that_shares_the_targets_embedding_and_lm_head(tiny, tmp_path):
     """Without embed_tokens and lm_head tensors the drafter uses the target's; with the target
     itself as the source of its drafts it proposes something."""
