@@ -1,6 +1,6 @@
 """`m3lm bench --verify/--drafter` on the CPU with a tiny slice: the verification forward it
-times is exactly k + 1 decode steps, the drafter case drafts with the engine's drafter at the
-published layout, the 60-layer projection's arithmetic, and its flags."""
+times is exactly k + 1 decode steps, the drafter case's drafter has the published layout, the
+60-layer projection's arithmetic, and the flags."""
 
 import argparse
 import re
@@ -68,7 +68,7 @@ def test_the_verify_forward_is_k_plus_1_decode_steps_on_the_same_cache(tiny):
         torch.testing.assert_close(cache.k[layer], fresh.k[layer], rtol=1e-5, atol=1e-5)
 
 
-def test_the_drafter_has_the_published_layout_and_drafts_like_the_engine(tiny):
+def test_the_drafter_has_the_published_layout_and_its_case_runs(tiny):
     cfg = speculation.drafter_config(tiny.args, 2)
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
     assert (cfg["hidden_size"], cfg["head_dim"], cfg["num_key_value_heads"]) == (64, 16, 2)

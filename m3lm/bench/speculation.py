@@ -35,8 +35,6 @@ from m3lm.loader import random_weights_
 from m3lm.models.minimax_m3 import MiniMaxM3
 from m3lm.speculative.eagle import Eagle3, EagleArgs, published_config
 
-PUBLISHED_ACCEPTANCE = (2.8, 3.0)  # mean acceptance lengths reported for M3's drafters at k = 3
-DRAFTER_KV_HEADS = (64, 4)  # the published drafter and its GQA variant
 RELEASE_LAYERS = RELEASE_DENSE + RELEASE_SPARSE
 # The drafter's MLP width is not among its known shapes: 3 x hidden (18432 at 6144) puts it at
 # the ~3.3 B parameters given for it.
