@@ -322,6 +322,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    _bench_flags(args)
     import torch
 
     if not torch.cuda.is_available():
@@ -330,10 +331,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from m3lm.bench.report import markdown
     from m3lm.bench.run import run
 
-    args.decode = [tuple(int(x) for x in item.lower().split("x")) for item in args.decode.split(",") if item]
-    args.prefill = [int(x) for x in args.prefill.split(",") if x]
-    args.attention = [int(x) for x in args.attention.split(",") if x]
-    args.quant = [q for q in args.quant.split(",") if q]
     rows, notes = run(args)
     report = markdown(rows, "m3lm " + " ".join(sys.argv[1:]), notes)
     print(report)
@@ -350,6 +347,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
             logx=True,
         )
     return 0
+
+
+def _bench_flags(args: argparse.Namespace) -> None:
+    """The bench's lists from their comma-separated flags, checked."""
+
+    def numbers(flag: str, kind, pairs: bool = False) -> list:
+        text = getattr(args, flag)
+        try:
+            return [
+                tuple(kind(x) for x in item.lower().split("x", 1)) if pairs else kind(item)
+                for item in text.split(",")
+                if item
+            ]
+        except ValueError:
+            form = "BATCHxCONTEXT,..." if pairs else f"{kind.__name__},..."
+            raise M3lmError(f"--{flag} {text}: expected {form}") from None
+
+    args.decode, args.verify = numbers("decode", int, True), numbers("verify", int, True)
+    args.prefill, args.attention = numbers("prefill", int), numbers("attention", int)
+    args.drafter, args.acceptance = numbers("drafter", int), numbers("acceptance", float)
+    args.quant = [q for q in args.quant.split(",") if q]
+    k = args.num_spec_tokens
+    if args.drafter and not args.verify:
+        raise M3lmError("--drafter times drafting for the --verify cases: give --verify too")
+    if any(not 1 <= a <= k + 1 for a in args.acceptance):
+        raise M3lmError(
+            f"--acceptance {','.join(f'{a:g}' for a in args.acceptance)}: a mean acceptance length "
+            f"is between 1 and k + 1 = {k + 1} (--num-spec-tokens {k})"
+        )
+    if any(kv < 1 or 64 % kv for kv in args.drafter):  # the release's 64 attention heads
+        raise M3lmError(f"--drafter {','.join(map(str, args.drafter))}: KV head counts must divide 64")
+    if any(len(c) != 2 or min(c) < 1 for c in args.decode + args.verify):
+        raise M3lmError("--decode and --verify cases are BATCHxCONTEXT with both at least 1")
 
 
 def _pool(args: argparse.Namespace) -> dict:

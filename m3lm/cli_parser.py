@@ -394,7 +394,10 @@ def build_parser(commands) -> argparse.ArgumentParser:
         sub,
         "bench",
         "Time a slice of MiniMax-M3 with its real dimensions on an NVIDIA GPU against its floor.",
-        ["m3lm bench --layers 4 --decode 1x4096,64x1024 --prefill 8192 --compare-transformers"],
+        [
+            "m3lm bench --layers 4 --decode 1x4096,64x1024 --prefill 8192 --compare-transformers",
+            "m3lm bench --layers 4 --decode 1x4096,16x2048 --verify 1x4096,16x2048 --drafter --iters 20",
+        ],
         commands["bench"],
     )
     bn.add_argument("--layers", type=_positive, default=4, help="layers of the slice (layer 0 dense)")
@@ -404,6 +407,30 @@ def build_parser(commands) -> argparse.ArgumentParser:
     bn.add_argument("--prefill", default="4096,8192", help="prefill lengths (batch 1)")
     bn.add_argument(
         "--attention", default="", help="MSA attention lengths to time against dense flash (default: none)"
+    )
+    bn.add_argument(
+        "--verify",
+        default="",
+        help="speculative verification cases, BATCHxCONTEXT,..., each with the 60-layer projection "
+        "against a decode case of the same batch and context (default: none)",
+    )
+    bn.add_argument(
+        "--num-spec-tokens", type=_positive, default=3, metavar="K", help="draft tokens a verification checks"
+    )
+    bn.add_argument(
+        "--drafter",
+        nargs="?",
+        const="64,4",
+        default="",
+        metavar="KV,...",
+        help="time drafting for each --verify case with a random EAGLE-3 drafter at the published "
+        "shapes, for each of these KV head counts (given alone: 64,4, the published drafter and its "
+        "GQA variant; default: no drafter)",
+    )
+    bn.add_argument(
+        "--acceptance",
+        default="2.8,3.0",
+        help="mean acceptance lengths of the 60-layer projection (the published ones at 3 draft tokens)",
     )
     bn.add_argument("--iters", type=_positive, default=20, help="timed calls per case")
     bn.add_argument(

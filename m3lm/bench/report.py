@@ -94,10 +94,15 @@ def kv_bytes(model: MiniMaxM3, batch: int, ctx: int) -> float:
     return batch * ((dense + sparse) * per_tok + index)
 
 
+def projection_ms(parts: dict) -> float:
+    """The 60-layer model's step from a step's parts: head + 3 dense + 57 MoE/MSA layers."""
+    return parts["head"] + RELEASE_DENSE * parts["dense"] + RELEASE_SPARSE * parts.get("sparse", 0.0)
+
+
 def parts_line(case: str, step_ms: float, parts: dict, n_layers: int) -> str:
     """The decoder-layers-only time and the 60-layer projection of one decode case."""
     sparse = parts.get("sparse", 0.0)
-    proj = parts["head"] + RELEASE_DENSE * parts["dense"] + RELEASE_SPARSE * sparse
+    proj = projection_ms(parts)
     summed = parts["head"] + parts["dense"] + (n_layers - 1) * sparse
     return (
         f"{case}: step {step_ms:.3f} ms; embedding+norm+lm_head {parts['head']:.3f} ms; "

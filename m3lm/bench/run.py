@@ -11,6 +11,12 @@ the GPU's power, temperature and SM clock over each case (`gpu_meter`). With
 `--compare-transformers` the transformers implementation runs on a slice of the same dimensions
 in the same process.
 
+`--verify 1x4096,16x2048 --num-spec-tokens 3` times the engine's speculative verification
+step (B sequences x k + 1 positions) with its parts, and projects the 60-layer model's tokens/s
+with speculation at the mean acceptance lengths of `--acceptance` against plain decoding at the
+same B and context (a decode case is added where `--decode` has none); `--drafter` also times
+drafting with a random EAGLE-3 drafter at the published shapes (`bench.speculation`).
+
 `--quant bf16,mxfp8` times the same slice with bf16 weights, then with the weights quantised to
 MXFP8 (the release's scheme) and kept in 8 bits. For each decode case it also times the parts
 (embedding + final norm + lm_head, one dense layer, one MoE + MSA layer) as graphs of their own,
@@ -26,7 +32,7 @@ import time
 
 import torch
 
-from m3lm.bench import hf_reference
+from m3lm.bench import hf_reference, speculation
 from m3lm.bench.attention import bench_attention
 from m3lm.bench.report import (
     Row,
@@ -106,7 +112,13 @@ def run(args) -> tuple[list[Row], list[str]]:
     t0 = time.time()
     model = build_slice(args.layers)
     print(f"built a {args.layers}-layer slice in {time.time() - t0:.1f} s", flush=True)
-    rows, notes, resident, layers_ms = [], [], {}, {}
+    rows, notes, resident, layers_ms, parts, compared = [], [], {}, {}, {}, []
+    decodes = args.decode + [c for c in args.verify if c not in args.decode]
+    drafts = {}
+    if args.drafter:
+        draft_rows, draft_notes, drafts = speculation.draft_cases(model, args, time_ms)
+        rows += draft_rows
+        notes += draft_notes
     resident["bf16"] = weight_bytes(model)
     in_layers = {"bf16": sum(weight_bytes(model.model.layers).values())}  # without embedding and lm_head
     for quant in quants:
@@ -118,22 +130,28 @@ def run(args) -> tuple[list[Row], list[str]]:
         tag = f" [{quant}]" if len(quants) > 1 or quant != "bf16" else ""
         notes.append(f"resident weights{tag or ' [bf16]'}: {gb_text(resident[quant])}")
         print(notes[-1], flush=True)
-        first = len(rows)
-        for b, ctx in args.decode:
+        for b, ctx in decodes:
             rows.append(bench_decode(model, b, ctx, args.iters))
             rows[-1].case += tag
             layers_ms[(quant, b, ctx)] = rows[-1].ms - rows[-1].parts["head"]
+            parts[(b, ctx)] = rows[-1].parts
+            if quant == quants[0] and (b, ctx) in args.decode:
+                compared.append(rows[-1])
             print(" | ".join(rows[-1].cells()), flush=True)
             notes.append(parts_line(rows[-1].case, rows[-1].ms, rows[-1].parts, args.layers))
             print(notes[-1], flush=True)
+        spec_rows, spec_notes = speculation.verify_cases(model, args, parts, drafts, tag, time_ms)
+        rows += spec_rows
+        notes += spec_notes
         for t in args.prefill:
             rows.append(bench_prefill(model, t, max(3, args.iters // 5)))
             rows[-1].case += tag
             print(" | ".join(rows[-1].cells()), flush=True)
             notes.append(rested_line(rows[-1]))
             print(notes[-1], flush=True)
+            if quant == quants[0]:
+                compared.append(rows[-1])
         if quant == quants[0]:
-            first_rows = rows[first:]
             for t in args.attention:
                 for case, ms, tokens, flops, dense_ms in bench_attention(
                     model, t, max(3, args.iters // 5), time_ms
@@ -162,15 +180,16 @@ def run(args) -> tuple[list[Row], list[str]]:
     del model
     torch.cuda.empty_cache()
     if args.compare_transformers:
-        compare_transformers(cfg, args, first_rows)
+        compare_transformers(cfg, args, compared)
     return rows, notes
 
 
 def compare_transformers(cfg: dict, args, rows: list[Row]) -> None:
-    """transformers' ms on a slice of the same dimensions into each decode and prefill row."""
+    """transformers' ms on a slice of the same dimensions into each row of `args.decode` and
+    `args.prefill`, in that order."""
     hf = hf_reference.build_hf_slice(hf_reference.slice_config(cfg), "cuda")
     specs = [("d", b, c) for b, c in args.decode] + [("p", 1, t) for t in args.prefill]
-    for row, spec in zip(rows[: len(specs)], specs, strict=True):
+    for row, spec in zip(rows, specs, strict=True):
         kind, b, n = spec
         res = (
             hf_reference.time_hf_decode(hf, b, n, 5)

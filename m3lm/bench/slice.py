@@ -73,26 +73,34 @@ def captured_decode(model: MiniMaxM3, cache: KVCache, batch: int, pages: int, ct
 
 @torch.inference_mode()
 def decode_parts(model: MiniMaxM3, cache: KVCache, batch: int, pages: int, ctx: int, iters: int) -> dict:
-    """ms of the decode step's parts, each as its own graph: embedding + final norm + lm_head,
-    layer 0 (dense MLP + full attention) and layer 1 (MoE + MSA), each with the residual add of
-    the previous layer's output (a MoE's, for layer 1, as its followers get) and its input norm."""
+    """`step_parts` of the decode step for `batch` sequences at position ctx - 1, each part
+    as a CUDA graph of its own."""
     a, dev = model.args, "cuda"
     tokens = torch.randint(0, a.vocab_size, (batch,), device=dev)
     positions = torch.full((batch,), ctx - 1, device=dev)
     tables = torch.arange(batch * pages, device=dev, dtype=torch.int32).view(batch, pages)
     dec = DecodeBatch.build(positions, tables, cache, a.index_block_size)
     dec.rope(a.rotary_dim, a.rope_theta)  # the step's RoPE table, made once outside the graphs
-    h = model.model.embed_tokens(tokens)  # [B, C]
+    return step_parts(model, tokens, dec, graph_ms, iters)
+
+
+@torch.inference_mode()
+def step_parts(model: MiniMaxM3, tokens: torch.Tensor, batch, timer, iters: int) -> dict:
+    """ms (`timer(fn, iters)`) of a step's parts over `batch` (a DecodeBatch or ForwardBatch of
+    `tokens`): embedding + final norm + lm_head of every token, layer 0 (dense MLP + full
+    attention) and layer 1 (MoE + MSA), each with the residual add of the previous layer's
+    output (a MoE's, for layer 1, as its followers get) and its input norm."""
+    h = model.model.embed_tokens(tokens)  # [T, C]
     layers = model.model.layers
 
     def head():
         model.lm_head(model.model.norm(model.model.embed_tokens(tokens))).float()
 
     def layer(i: int, pending):  # the residual add of the previous output with the input norm, then the layer
-        return lambda: layers[i](*layers[i].input_layernorm(pending, h), dec)
+        return lambda: layers[i](*layers[i].input_layernorm(pending, h), batch)
 
-    out = {"head": graph_ms(head, iters), "dense": graph_ms(layer(0, h), iters)}
+    out = {"head": timer(head, iters), "dense": timer(layer(0, h), iters)}
     if len(layers) > 1:
         moe_out = layer(1, h)()[0]  # what a MoE layer hands on (unsummed on the GPU), as layers 2.. receive
-        out["sparse"] = graph_ms(layer(1, moe_out), iters)
+        out["sparse"] = timer(layer(1, moe_out), iters)
     return out

@@ -1,5 +1,6 @@
 """Timing a GPU call as the benchmarks do: CUDA events, a warm-up that leaves out the compiling
-calls, medians, CUDA graph replays, and the GPU's state over the timed calls (`gpu_meter`)."""
+calls, medians, CUDA graph replays, and the GPU's state over the timed calls (`gpu_meter`); and
+a CPU twin's call by the wall clock (`wall_ms`)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,17 @@ def measure(fn, iters: int, gpu: bool = False, seconds: float = 0.0) -> tuple[fl
     while len(times) < iters or time.perf_counter() - start < seconds:
         times.append(event_ms(fn))
     return sorted(times)[len(times) // 2], window.close() if window else None
+
+
+def wall_ms(fn, iters: int) -> float:
+    """Median wall-clock ms of `iters` calls of fn after one (the CPU twins' timer)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def rested_ms(fn, samples: int = 3, pause: float = 0.5) -> float:

@@ -102,7 +102,23 @@ def forward_step(
     batch_decodes: bool | None = None,
     capture: dict[int, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """One packed forward of a step's tokens over the paged caches -> fp32 logits [R, V].
+    """One packed forward of a step's tokens over the paged caches -> fp32 logits [R, V]
+    (`step_inputs` makes the forward's inputs)."""
+    return model.forward_batch(
+        *step_inputs(model, cache, step, msa_dense_window, table_width, batch_decodes, capture)
+    )
+
+
+def step_inputs(
+    model: MiniMaxM3,
+    cache: KVCache,
+    step: steps.Step,
+    msa_dense_window: float | None,
+    table_width: int = 0,
+    batch_decodes: bool | None = None,
+    capture: dict[int, torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, ForwardBatch, torch.Tensor]:
+    """The step's (tokens [T], ForwardBatch, logits rows [R]) on the model's device.
 
     The step's leading single-token sequences attend as one batch (`decode_rows`: the Triton
     kernels on a GPU, batched PyTorch ops on the CPU) without the dense window, unless
@@ -127,7 +143,7 @@ def forward_step(
         capture=capture,
     )
     ids = torch.tensor(step.tokens, dtype=torch.long, device=dev)
-    return model.forward_batch(ids, batch, torch.tensor(step.rows, dtype=torch.long, device=dev))
+    return ids, batch, torch.tensor(step.rows, dtype=torch.long, device=dev)
 
 
 def decode_rows(
