@@ -173,13 +173,17 @@ def test_each_rank_reads_exactly_its_slice(tmp_path):
 # --- gloo groups --------------------------------------------------------------------------------
 
 
-def _engine_greedy(model) -> list[list[int]]:
-    """Two requests batched, prefilled in chunks of 8 tokens, 6 greedy tokens each."""
-    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64))
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+def _engine_greedy(model, max_tokens: int = 6, drafted: list | None = None, **config) -> list[list[int]]:
+    """Two requests batched, prefilled in chunks of 8 tokens, `max_tokens` greedy tokens each
+    (`drafted`: gets the number of draft tokens, with speculation)."""
+    config = {"max_num_seqs": 2, "max_num_batched_tokens": 8, "max_model_len": 64, **config}
+    engine = LLMEngine(model, None, EngineConfig(**config))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in PROMPTS]
     while engine.has_unfinished():
         engine.step()
+    if drafted is not None:
+        drafted.append(engine.speculator.stats.num_draft_tokens)
     return [s.output_ids for s in seqs]
 
 
@@ -254,6 +258,62 @@ def _check_8_bit_ranks(ranks: list[dict], single) -> None:
         # 1/N, plus the replicated index-key head (and the KV heads two ranks share at N = 4)
         assert full["float8_e4m3fn"] / world <= size["float8_e4m3fn"] < 1.05 * full["float8_e4m3fn"] / world
         assert size["float32"] < 0.7 * full["float32"]  # vocab rows split; norms and router replicated
+
+
+def _speculative_rank_main(rank: int, world: int, port: int, path: str, configs: dict, out: str) -> None:
+    torch.set_num_threads(1)
+    pc = init_group(ParallelConfig(world, rank), "gloo", f"tcp://127.0.0.1:{port}", 60.0)
+    model = load_model(path, "cpu", torch.float32, parallel=pc)
+    if rank == 0:  # the drafter (replicated, rank 0 only) reads the full hidden states the ranks agree on
+        drafted = []
+        greedy = {
+            name: _engine_greedy(model, 12, drafted, speculative_config=c) for name, c in configs.items()
+        }
+        steps.send(model.parallel, None)
+        torch.save((greedy, drafted), out)
+    else:
+        assert follow(model) > 0
+    dist.destroy_process_group()
+
+
+def test_speculative_greedy_under_tensor_parallelism_equals_plain_single_process(random_dir, tmp_path):
+    """Verification steps of k + 1 positions go to every rank like any other step; rank 0 drafts
+    (prompt lookup, and an EAGLE-3 head in the published format) and the tokens do not change."""
+    from m3lm.speculative.eagle import published_config, random_drafter
+
+    a = _args()
+    drafter = random_drafter(
+        tmp_path / "drafter",
+        published_config(
+            hidden_size=a.hidden_size, num_attention_heads=a.hidden_size // 16, num_key_value_heads=2,
+            head_dim=16, intermediate_size=2 * a.hidden_size, vocab_size=a.vocab_size, layer_ids=[0, 1, 2],
+        ),
+        seed=2,
+    )  # fmt: skip
+    configs = {
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+        "eagle3": {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3},
+    }
+    out, port = str(tmp_path / "greedy"), free_port()
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_speculative_rank_main, args=(r, 2, port, str(random_dir), configs, out))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(PATIENCE_S)
+    assert [p.exitcode for p in procs] == [0, 0]
+    got, drafted = torch.load(out)
+    want = _engine_greedy(load_model(random_dir, "cpu", torch.float32), 12)
+    assert got == {"ngram": want, "eagle3": want}
+    assert drafted[1] >= 3 * 11 * len(PROMPTS) // 4  # the head drafted k tokens in most steps
 
 
 def test_a_failed_worker_stops_generate_with_a_clear_error(tmp_path):
