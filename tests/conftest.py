@@ -63,3 +63,7 @@ def pytest_pyfunc_call(pyfuncitem):
     if got["outcome"] != "passed":
         pytest.fail(f"in Triton's interpreter (TRITON_INTERPRET=1):\n{got['text']}", pytrace=False)
     return True
+
+
+def pytest_sessionfinish(session):
+    interpreter_run.stop()

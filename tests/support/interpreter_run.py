@@ -55,3 +55,12 @@ def result(nodeid: str) -> dict:
             "text": f"the interpreter's run (exit {proc.returncode}) has no result:\n{log[-4000:]}",
         }
     return results[nodeid]
+
+
+def stop() -> None:
+    """End the child if it still runs (a run stopped early, `-x`), and close its log."""
+    if _run and _run["proc"].poll() is None:
+        _run["proc"].kill()
+        _run["proc"].wait()
+    if _run and not _run["log"].closed:
+        _run["log"].close()
