@@ -4,22 +4,12 @@ import pytest
 
 import m3lm
 from m3lm.llm import LLM
-from tests.support.checkpoints import (
-    Spec,
-    hf_model,
-    release_config,
-    to_release,
-    write_checkpoint,
-    write_m3_tokenizer,
-)
+from tests.support.checkpoints import write_chat_checkpoint
 
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    p = tmp_path_factory.mktemp("llm")
-    s = Spec(vocab=write_m3_tokenizer(p))
-    write_checkpoint(p, to_release(hf_model(s, seed=9).state_dict(), s), release_config(s))
-    return p
+    return write_chat_checkpoint(tmp_path_factory.mktemp("llm"), seed=9)
 
 
 def test_generate_batches_prompts_in_order(path):

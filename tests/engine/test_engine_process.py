@@ -17,24 +17,14 @@ import pytest
 
 from m3lm.core import SamplingParams, StructuredOutput, ThinkingControl
 from m3lm.engine import messages as m
-from tests.support.checkpoints import (
-    Spec,
-    hf_model,
-    release_config,
-    to_release,
-    write_checkpoint,
-    write_m3_tokenizer,
-)
+from tests.support.checkpoints import write_chat_checkpoint
 from tests.support.paths import PATIENCE_S
 from tests.support.processes import alive, children, start_serve, stop, wait_healthy
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("proc")
-    s = Spec(vocab=write_m3_tokenizer(path))
-    write_checkpoint(path, to_release(hf_model(s, seed=5).state_dict(), s), release_config(s))
-    return path
+    return write_chat_checkpoint(tmp_path_factory.mktemp("proc"), seed=5)
 
 
 def test_messages_round_trip():

@@ -3,7 +3,8 @@
 import openai
 import pytest
 
-from tests.support.live_server import API_KEY, start, write_served_checkpoint
+from tests.support.checkpoints import write_chat_checkpoint
+from tests.support.live_server import API_KEY, start
 from tests.support.paths import PATIENCE_S
 from tests.support.story_server import story_server
 
@@ -11,7 +12,7 @@ from tests.support.story_server import story_server
 @pytest.fixture(scope="session")
 def served_checkpoint(tmp_path_factory):
     """A tiny random checkpoint with M3's tokenizer and chat template (read only)."""
-    return write_served_checkpoint(tmp_path_factory.mktemp("served"), seed=3)
+    return write_chat_checkpoint(tmp_path_factory.mktemp("served"), seed=3)
 
 
 @pytest.fixture(scope="module")

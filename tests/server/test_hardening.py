@@ -19,24 +19,14 @@ from m3lm.engine.engine import LLMEngine
 from m3lm.errors import CheckpointError, ConfigError
 from m3lm.server.app import create_server_app
 from m3lm.server.protocol import Limits
-from tests.support.checkpoints import (
-    Spec,
-    hf_model,
-    release_config,
-    to_release,
-    write_checkpoint,
-    write_m3_tokenizer,
-)
+from tests.support.checkpoints import write_chat_checkpoint
 from tests.support.live_server import LiveServer, wait_idle
 from tests.support.paths import PATIENCE_S
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hard")
-    s = Spec(vocab=write_m3_tokenizer(path))
-    write_checkpoint(path, to_release(hf_model(s, seed=4).state_dict(), s), release_config(s))
-    return path
+    return write_chat_checkpoint(tmp_path_factory.mktemp("hard"), seed=4)
 
 
 @pytest.fixture(scope="module")

@@ -19,21 +19,12 @@ from m3lm.engine.async_engine import AsyncEngine  # noqa: E402
 from m3lm.engine.engine import LLMEngine  # noqa: E402
 from m3lm.server.app import create_server_app  # noqa: E402
 from m3lm.server.protocol import Limits  # noqa: E402
-from tests.support.checkpoints import (  # noqa: E402
-    Spec,
-    hf_model,
-    release_config,
-    to_release,
-    write_checkpoint,
-    write_m3_tokenizer,
-)
+from tests.support.checkpoints import write_chat_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def api_schema(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fuzz")
-    s = Spec(vocab=write_m3_tokenizer(path))
-    write_checkpoint(path, to_release(hf_model(s, seed=1).state_dict(), s), release_config(s))
+    path = write_chat_checkpoint(tmp_path_factory.mktemp("fuzz"), seed=1)
     model, tok = m3lm.load(path, device="cpu")
     engine = AsyncEngine(LLMEngine(model, tok, EngineConfig(max_model_len=128, max_num_seqs=4)), 16).start()
     app = create_server_app(engine, tok, "tiny", None, Limits(max_n=2))

@@ -285,6 +285,12 @@ def write_m3_tokenizer(path: Path, vocab_size: int = 384) -> int:
     return tok.get_vocab_size()
 
 
+def write_chat_checkpoint(path, seed: int):
+    """A tiny random release-layout checkpoint with M3's tokenizer and chat template."""
+    s = Spec(vocab=write_m3_tokenizer(path))
+    return write_checkpoint(path, to_release(hf_model(s, seed=seed).state_dict(), s), release_config(s))
+
+
 # 8 query heads over 2 KV heads (TP 4 replicates KV heads), 8 experts (EP 4 = 2 per rank).
 TP_SPEC = Spec(vocab=96, heads=8, kv_heads=2, experts=8, block=4, topk_blocks=2)
 # The same with row-parallel inputs (heads x head_dim, MLP and expert widths 128) that split into

@@ -15,14 +15,6 @@ from m3lm.engine.engine import LLMEngine
 from m3lm.sampler import SampleOutput
 from m3lm.server.app import create_server_app, draining_server, server_config
 from m3lm.server.protocol import Limits
-from tests.support.checkpoints import (
-    Spec,
-    hf_model,
-    release_config,
-    to_release,
-    write_checkpoint,
-    write_m3_tokenizer,
-)
 from tests.support.paths import PATIENCE_S
 
 API_KEY = "sk-test-123"
@@ -56,13 +48,6 @@ class LiveServer:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(10)
-
-
-def write_served_checkpoint(path, seed: int = 3):
-    """A tiny release-layout checkpoint with M3's tokenizer, as the server tests serve it."""
-    s = Spec(vocab=write_m3_tokenizer(path))
-    write_checkpoint(path, to_release(hf_model(s, seed=seed).state_dict(), s), release_config(s))
-    return path
 
 
 def start(checkpoint, api_key=API_KEY, limits=None, grace_s=None, **engine_kwargs):
