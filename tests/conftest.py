@@ -29,6 +29,20 @@ def tiny_path(tmp_path_factory):
     return write_checkpoint(path, to_release(hf_model(s, seed=5).state_dict(), s), release_config(s))
 
 
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The model of a random MSA + MoE checkpoint whose sparsity engages after 12 tokens (blocks
+    of 4, top-3), fp32 on the CPU."""
+    import m3lm
+
+    s = Spec()
+    path = write_checkpoint(
+        tmp_path_factory.mktemp("tiny"), to_release(hf_model(s, seed=21).state_dict(), s), release_config(s)
+    )
+    model, _ = m3lm.load(path, device="cpu", dtype=torch.float32)
+    return model
+
+
 def pytest_collection_modifyitems(config, items):
     no_gpu = None
     if not torch.cuda.is_available():

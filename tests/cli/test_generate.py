@@ -7,25 +7,10 @@ from safetensors.torch import load_file
 import m3lm
 from m3lm.config import EngineConfig
 from m3lm.engine.engine import LLMEngine
-from tests.support.checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint
+from tests.support.checkpoints import random_prompt as prompt
 from tests.support.paths import golden_params
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A random MSA + MoE checkpoint whose sparsity engages after 12 tokens (blocks of 4, top-3)."""
-    s = Spec()
-    path = write_checkpoint(
-        tmp_path_factory.mktemp("tiny"), to_release(hf_model(s, seed=21).state_dict(), s), release_config(s)
-    )
-    model, _ = m3lm.load(path, device="cpu", dtype=torch.float32)
-    return model
-
-
-def prompt(n: int, seed: int = 0, vocab: int = 96) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def run_engine(model, prompts, params, **config) -> dict[str, list[int]]:

@@ -14,26 +14,11 @@ from m3lm.errors import ConfigError
 from m3lm.speculative import ngram
 from m3lm.speculative.config import SpeculativeConfig
 from m3lm.speculative.rejection import acceptance, residual, verify
-from tests.support.checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint
+from tests.support.checkpoints import random_prompt as prompt
 from tests.support.paths import golden_params
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A random MSA + MoE checkpoint whose sparsity engages after 12 tokens (blocks of 4, top-3)."""
-    s = Spec()
-    path = write_checkpoint(
-        tmp_path_factory.mktemp("tiny"), to_release(hf_model(s, seed=21).state_dict(), s), release_config(s)
-    )
-    model, _ = m3lm.load(path, device="cpu", dtype=torch.float32)
-    return model
-
-
-def prompt(n: int, seed: int = 0, vocab: int = 96) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def repetitive(seed: int) -> list[int]:

@@ -304,3 +304,8 @@ def write_mxfp8_release(path, s: Spec, seed: int, shards: int = 1):
     config = release_config(s)
     config["text_config"]["quantization_config"] = {"quant_method": "mxfp8", "weight_block_size": [1, 32]}
     return write_checkpoint(path, mxfp8_release(values, scales, s), config, shards)
+
+
+def random_prompt(n: int, seed: int = 0, vocab: int = 96) -> list[int]:
+    """n seeded random token ids below `vocab`."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
