@@ -223,3 +223,14 @@ def test_pyproject_lists_every_distribution_the_package_imports():
         if not found & listed:
             missing[name] = sorted(found)
     assert missing == {}
+
+
+def test_the_layout_stays_readable():
+    """No package file over 600 lines and the model file under 500; the README at most 200
+    lines; at most 12 benchmark scripts at the top of benchmarks/ (the rest in its folders)."""
+    root = PACKAGE.parent
+    lines = {p.relative_to(root): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {p: n for p, n in lines.items() if n > 600} == {}
+    assert lines[Path("m3lm/models/minimax_m3.py")] < 500
+    assert len((root / "README.md").read_text().splitlines()) <= 200
+    assert len(list((root / "benchmarks").glob("*.py"))) <= 12
