@@ -183,7 +183,15 @@ def moe_experts_ref(
     """sum_a weights[t, a] * expert_{ids[t, a]}(x[t]) -> [T, C], accumulated in fp32.
 
     x [T, C], weights [T, A] fp32, ids [T, A], w1 (gate) / w3 (up) [E, I, C], w2 (down) [E, C, I].
+    Fewer pairs than experts (a decode step): each pair on its own (`experts_by_pair`); else
+    each expert once over its tokens (`experts_by_expert`).
     """
+    by = experts_by_pair if ids.numel() < w1.shape[0] else experts_by_expert
+    return by(x, weights, ids, w1, w3, w2, alpha, limit)
+
+
+def experts_by_expert(x, weights, ids, w1, w3, w2, alpha: float, limit: float) -> torch.Tensor:
+    """`moe_experts_ref` one expert at a time over the tokens that chose it."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, C]
     flat_ids = ids.flatten()  # [T*A]
     order = flat_ids.argsort(stable=True)
@@ -200,6 +208,19 @@ def moe_experts_ref(
         h = swiglu_oai(xe @ w1[e].T, xe @ w3[e].T, alpha, limit)  # [n, I]
         ye = (h @ w2[e].T).float() * weights.flatten()[sel, None]  # [n, C]
         out.index_add_(0, tok, ye)
+    return out
+
+
+def experts_by_pair(x, weights, ids, w1, w3, w2, alpha: float, limit: float) -> torch.Tensor:
+    """`moe_experts_ref` one (token, expert) pair at a time: no sort and no gather, for a few
+    tokens. Each token's pairs add up in the order of their expert ids, as there."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, C]
+    linear = torch.nn.functional.linear
+    for t, (row, row_weights) in enumerate(zip(ids.tolist(), weights.tolist(), strict=True)):
+        xt = x[t : t + 1]  # [1, C]
+        for e, w in sorted(zip(row, row_weights, strict=True)):
+            h = swiglu_oai(linear(xt, w1[e]), linear(xt, w3[e]), alpha, limit)  # [1, I]
+            out[t] += linear(h, w2[e])[0].float() * w
     return out
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
-from m3lm.kernels.moe import moe, moe_experts_ref, route, split_bf16
+from m3lm.kernels.moe import experts_by_expert, experts_by_pair, moe, moe_experts_ref, route, split_bf16
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
 from m3lm.layers.linear import MXFP8Linear, packed_linear, packed_rows
 from m3lm.layers.mlp import swiglu_oai
@@ -174,6 +174,33 @@ def test_qk_norm_is_per_head():
     assert out[:, 1].abs().max() < 10
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_packed_heads_are_the_heads_of_each_kind(wide):
+    # The CPU forward norms and rotates every head of the packed product in one pass (v's rows
+    # included, then dropped): the same heads as a norm and a rotation per kind (`project`).
+    from checkpoints import Spec, release_config
+
+    from m3lm.config import ModelArgs
+    from m3lm.models.minimax_m3 import MiniMaxM3, random_init_
+
+    spec = Spec(heads=8, kv_heads=4, head_dim=32, rotary_dim=16, index_dim=32) if wide else Spec()
+    args = ModelArgs.from_dict(release_config(spec))
+    model = random_init_(MiniMaxM3(args), seed=4)
+    x = torch.randn(5, args.hidden_size, generator=torch.Generator().manual_seed(5))
+    cos, sin = rope_cos_sin(torch.arange(3, 8), args.rotary_dim, args.rope_theta)
+    kinds = set()
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        kinds.add(attn.sparse)
+        y, _ = attn._products(x)
+        got, want = attn._heads_packed(y, cos, sin), attn.project(x, cos, sin)
+        for a, b in zip(got, want, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert kinds == {False, True}
+
+
 def brute_force_select(scores, q_pos, block, topk, local, init):
     """Per group and query, enumerate the rule of the model contract."""
     k, t_len, _ = scores.shape
@@ -294,6 +321,21 @@ def test_moe_dispatch_matches_per_token_loop():
             for j in range(a)
         )
         assert torch.allclose(out[t], want, atol=1e-4)
+
+
+@pytest.mark.parametrize("t_len", [1, 2, 3])
+def test_moe_pairs_one_at_a_time_match_experts_over_their_tokens(t_len):
+    # A decode step's few pairs take `experts_by_pair`; both ways give the same sums.
+    gen = torch.Generator().manual_seed(t_len)
+    c, e, i, a = 16, 8, 12, 2
+    x = torch.randn(t_len, c, generator=gen)
+    w1, w3 = torch.randn(e, i, c, generator=gen), torch.randn(e, i, c, generator=gen)
+    w2 = torch.randn(e, c, i, generator=gen)
+    weights, ids = route(torch.randn(t_len, e, generator=gen), torch.zeros(e), a)
+    assert ids.numel() < e  # moe_experts_ref takes the pair path
+    whole = experts_by_expert(x, weights, ids, w1, w3, w2, 1.702, 7.0)
+    torch.testing.assert_close(moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0), whole)
+    torch.testing.assert_close(experts_by_pair(x, weights, ids, w1, w3, w2, 1.702, 7.0), whole)
 
 
 def test_mxfp8_dequant_hand_values():
