@@ -26,12 +26,13 @@ def index_block_scores(
     """iq [B, K, Di], ik_pool [P, S, Di], tables [B, MAXP], lens [B] -> [B, K, MAXP] fp32: the max
     over each page's visible keys of iq . ik; pages past a row's length are -inf. With ik_scale
     [P, S] the pool holds e4m3 keys, key = pool * scale."""
-    pages = tables.long()
-    keys = ik_pool[pages].float()  # [B, MAXP, S, Di]
+    b, maxp = tables.shape
+    keys = _pages(ik_pool, tables).float()  # [B, MAXP, S, Di]
     if ik_scale is not None:
-        keys = keys * ik_scale[pages][..., None]
-    s = torch.einsum("bkd,bpsd->bkps", iq.float(), keys)  # [B, K, MAXP, S]
-    return s.masked_fill(~_visible(lens, *keys.shape[1:3])[:, None], float("-inf")).amax(-1)
+        keys = keys * _pages(ik_scale, tables)[..., None]
+    s = torch.matmul(iq.float(), keys.view(b, -1, keys.shape[-1]).transpose(1, 2))  # [B, K, MAXP*S]
+    s = s.masked_fill(~_visible(lens, maxp * keys.shape[2])[:, None], float("-inf"))
+    return s.view(b, -1, maxp, keys.shape[2]).amax(-1)
 
 
 def select_blocks(
@@ -60,28 +61,30 @@ def paged_attention(
     s, n_kv = k_pool.shape[1], k_pool.shape[2]
     qg = q.float().view(b, n_kv, h // n_kv, d)  # [B, K, G, D]
     if block_ids is None:
-        pages = tables.long()  # [B, MAXP]
-        keys, values = k_pool[pages].float(), v_pool[pages].float()  # [B, MAXP, S, K, D]
-        keep = _visible(lens, pages.shape[1], s)  # [B, MAXP, S]
-        scores = torch.einsum("bkgd,bpskd->bkgps", qg, keys) * scale  # [B, K, G, MAXP, S]
-        scores = scores.masked_fill(~keep[:, None, None], float("-inf"))
-        probs = torch.softmax(scores.flatten(-2), dim=-1).view_as(scores)
-        out = torch.einsum("bkgps,bpskd->bkgd", probs, values)
+        maxp = tables.shape[1]
+        keys, values = _pages(k_pool, tables).float(), _pages(v_pool, tables).float()  # [B, MAXP, S, K, D]
+        keys, values = (
+            t.view(b, maxp * s, n_kv, d).transpose(1, 2) for t in (keys, values)
+        )  # [B, K, MAXP*S, D]
+        keep = _visible(lens, maxp * s)[:, None, None]  # [B, 1, 1, MAXP*S]
     else:
         blocks = block_ids.long()  # [B, K, k]
         pages = tables.long().gather(1, blocks.clamp(min=0).flatten(1)).view_as(blocks)
         group = torch.arange(n_kv, device=q.device)[None, :, None]  # [1, K, 1]
         keys, values = k_pool[pages, :, group].float(), v_pool[pages, :, group].float()  # [B, K, k, S, D]
+        keys, values = keys.flatten(2, 3), values.flatten(2, 3)  # [B, K, k*S, D]
         at = blocks[..., None] * s + torch.arange(s, device=q.device)  # [B, K, k, S] positions
-        keep = (blocks[..., None] >= 0) & (at < lens.long()[:, None, None, None])
-        scores = torch.einsum("bkgd,bknsd->bkgns", qg, keys) * scale  # [B, K, G, k, S]
-        scores = scores.masked_fill(~keep[:, :, None], float("-inf"))
-        probs = torch.softmax(scores.flatten(-2), dim=-1).view_as(scores)
-        out = torch.einsum("bkgns,bknsd->bkgd", probs, values)
-    return out.reshape(b, h, d).to(q.dtype)
+        keep = ((blocks[..., None] >= 0) & (at < lens.long()[:, None, None, None])).flatten(2)[:, :, None]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, K, G, n]
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    return torch.matmul(probs, values).reshape(b, h, d).to(q.dtype)  # [B, K, G, D] -> [B, H, D]
 
 
-def _visible(lens: torch.Tensor, pages: int, page_size: int) -> torch.Tensor:
-    """[B, pages, S]: whether position p * S + s of each row is below its length."""
-    at = torch.arange(pages * page_size, device=lens.device).view(pages, page_size)
-    return at[None] < lens.long()[:, None, None]
+def _pages(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """pool [P, ...] -> [B, MAXP, ...]: the pages of each row's table (one gather of whole pages)."""
+    return pool.flatten(1).index_select(0, tables.flatten()).view(*tables.shape, *pool.shape[1:])
+
+
+def _visible(lens: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, n]: whether each of positions 0..n-1 of each row is below its length."""
+    return torch.arange(n, device=lens.device)[None] < lens[:, None]
