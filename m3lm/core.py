@@ -57,6 +57,10 @@ class ForwardBatch:
         launches) and shared by every layer."""
         return _rope_table(self._rope, self.positions, rotary_dim, theta)
 
+    def rope_rows(self, rotary_dim: int, theta: float, head_dim: int) -> tuple[torch.Tensor, ...]:
+        """`rotary.rope_rows` of `rope`, made on first use and shared by every layer."""
+        return _rope_rows(self._rope, self.positions, rotary_dim, theta, head_dim)
+
     def first_position(self, seq: int) -> int:
         """Position of sequence `seq`'s first token in this pass (host side, no device read)."""
         return self.kv.starts[seq] if self.kv is not None else 0
@@ -90,6 +94,10 @@ class DecodeBatch:
         """cos, sin [B, R/2] fp32 of `positions`, made on first use and shared by every layer."""
         return _rope_table(self._rope, self.positions, rotary_dim, theta)
 
+    def rope_rows(self, rotary_dim: int, theta: float, head_dim: int) -> tuple[torch.Tensor, ...]:
+        """`rotary.rope_rows` of `rope`, made on first use and shared by every layer."""
+        return _rope_rows(self._rope, self.positions, rotary_dim, theta, head_dim)
+
     @classmethod
     def build(cls, positions: torch.Tensor, tables: torch.Tensor, cache, page_size: int) -> DecodeBatch:
         import torch
@@ -104,6 +112,15 @@ def _rope_table(tables: dict, positions: torch.Tensor, rotary_dim: int, theta: f
     key = (rotary_dim, float(theta))
     if key not in tables:
         tables[key] = rope_cos_sin(positions, rotary_dim, theta)
+    return tables[key]
+
+
+def _rope_rows(tables: dict, positions: torch.Tensor, rotary_dim: int, theta: float, head_dim: int) -> tuple:
+    from m3lm.layers.rotary import rope_rows
+
+    key = (rotary_dim, float(theta), head_dim)
+    if key not in tables:
+        tables[key] = rope_rows(*_rope_table(tables, positions, rotary_dim, theta), head_dim)
     return tables[key]
 
 

@@ -25,8 +25,8 @@ from m3lm.kernels.moe import SPLIT_ROUTER_MIN_T, MoEOutput, moe, route, router_l
 from m3lm.layers.linear import MXFP8Linear, fp8_parameter, packed_linear, packed_rows, to_mxfp8_
 from m3lm.layers.mlp import MLP
 from m3lm.layers.msa_attention import MSAAttention
-from m3lm.layers.norm import RMSNorm, rms_norm_ref
-from m3lm.layers.rotary import apply_rope_ref, norm_rope
+from m3lm.layers.norm import RMSNorm, rms_norm_cpu
+from m3lm.layers.rotary import apply_rope_rows, norm_rope
 
 
 class Attention(nn.Module):
@@ -71,8 +71,15 @@ class Attention(nn.Module):
         heads = None
         if isinstance(batch, DecodeBatch):  # on the GPU one launch: heads, and k, v into the caches
             heads = self.attn.decode_heads(y, self.dims, self._norms(), self.q_norm.eps, cos, sin, batch)
-        if heads is None and y is not None and not y.is_cuda and self._one_width():
-            q, k, v, iq, ik = self._heads_packed(y, cos, sin)  # the CPU: every head in one pass
+        if (
+            heads is None
+            and y is not None
+            and y.dtype == torch.float32
+            and not y.is_cuda
+            and self._one_width()
+        ):
+            rows = batch.rope_rows(*self.rotary, self.head_dim)
+            q, k, v, iq, ik = self._heads_packed(y, rows)  # the CPU: every head in one pass
         elif heads is None:
             q, k, v, iq, ik = self._heads(outs, cos, sin)
         else:
@@ -105,13 +112,13 @@ class Attention(nn.Module):
         """Whether every head of the packed product (index heads too) is head_dim wide."""
         return not self.sparse or self.dims[3] == self.head_dim
 
-    def _heads_packed(self, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
-        """`_heads` from the packed product y [T, W] whose heads are all head_dim wide: one norm
-        (each head with its own weight) and one rotation over every head, v's included and
-        then left unused, instead of a norm and a rotation per kind of head."""
+    def _heads_packed(self, y: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> tuple:
+        """`_heads` from the fp32 packed product y [T, W] whose heads are all head_dim wide: one
+        norm (each head with its own weight) and one rotation (`rope`: `rotary.rope_rows`) over
+        every head, v's included and then left unused, instead of both per kind of head."""
         h, k = self.n_heads, self.n_kv
         heads = y.view(y.shape[0], -1, self.head_dim)  # [T, N, D]: q, k, v (index q, index k)
-        out = apply_rope_ref(rms_norm_ref(heads, self._head_norm_weights(), self.q_norm.eps), cos, sin)
+        out = apply_rope_rows(rms_norm_cpu(heads, self._head_norm_weights(), self.q_norm.eps), rope)
         q, kk, v = out[:, :h], out[:, h : h + k], heads[:, h + k : h + 2 * k]
         if not self.sparse:
             return q, kk, v, None, None

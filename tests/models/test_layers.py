@@ -12,7 +12,7 @@ from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_sele
 from m3lm.layers.linear import MXFP8Linear, packed_linear, packed_rows
 from m3lm.layers.mlp import swiglu_oai
 from m3lm.layers.norm import RMSNorm, rms_norm
-from m3lm.layers.rotary import apply_rope, rope_cos_sin
+from m3lm.layers.rotary import apply_rope, rope_cos_sin, rope_rows
 
 
 def test_router_bias_changes_choice_not_weights():
@@ -174,6 +174,21 @@ def test_qk_norm_is_per_head():
     assert out[:, 1].abs().max() < 10
 
 
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(16, 8), (16, 16), (64, 32)])
+def test_cpu_norm_and_rope_over_whole_heads_are_the_references(head_dim, rotary_dim):
+    from m3lm.layers.norm import rms_norm_cpu, rms_norm_ref
+    from m3lm.layers.rotary import apply_rope_ref, apply_rope_rows
+
+    gen = torch.Generator().manual_seed(head_dim + rotary_dim)
+    x = torch.randn(5, 3, head_dim, generator=gen) * 4
+    w = torch.randn(3, head_dim, generator=gen)  # a norm weight per head
+    want = torch.stack([rms_norm_ref(x[:, h], w[h], 1e-6) for h in range(3)], 1)
+    torch.testing.assert_close(rms_norm_cpu(x, w, 1e-6), want, rtol=1e-6, atol=1e-6)
+    cos, sin = rope_cos_sin(torch.arange(40, 45), rotary_dim, 10000.0)
+    got = apply_rope_rows(x, rope_rows(cos, sin, head_dim))
+    torch.testing.assert_close(got, apply_rope_ref(x, cos, sin), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("wide", [False, True])
 def test_packed_heads_are_the_heads_of_each_kind(wide):
     # The CPU forward norms and rotates every head of the packed product in one pass (v's rows
@@ -193,7 +208,8 @@ def test_packed_heads_are_the_heads_of_each_kind(wide):
         attn = layer.self_attn
         kinds.add(attn.sparse)
         y, _ = attn._products(x)
-        got, want = attn._heads_packed(y, cos, sin), attn.project(x, cos, sin)
+        got = attn._heads_packed(y, rope_rows(cos, sin, args.head_dim))
+        want = attn.project(x, cos, sin)
         for a, b in zip(got, want, strict=True):
             assert (a is None) == (b is None)
             if a is not None:
