@@ -193,10 +193,9 @@ def test_cpu_norm_and_rope_over_whole_heads_are_the_references(head_dim, rotary_
 def test_packed_heads_are_the_heads_of_each_kind(wide):
     # The CPU forward norms and rotates every head of the packed product in one pass (v's rows
     # included, then dropped): the same heads as a norm and a rotation per kind (`project`).
-    from checkpoints import Spec, release_config
-
     from m3lm.config import ModelArgs
     from m3lm.models.minimax_m3 import MiniMaxM3, random_init_
+    from tests.support.checkpoints import Spec, release_config
 
     spec = Spec(heads=8, kv_heads=4, head_dim=32, rotary_dim=16, index_dim=32) if wide else Spec()
     args = ModelArgs.from_dict(release_config(spec))
