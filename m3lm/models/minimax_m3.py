@@ -22,11 +22,12 @@ from m3lm.distributed.parallel import SINGLE, ParallelConfig, all_gather, all_re
 from m3lm.distributed.shard import check_mxfp8_split, head_ranges, part
 from m3lm.kernels.fp8 import MX_BLOCK, quantize_mxfp8
 from m3lm.kernels.moe import SPLIT_ROUTER_MIN_T, MoEOutput, moe, route, router_logits, split_bf16
+from m3lm.layers.heads import packed_heads
 from m3lm.layers.linear import MXFP8Linear, fp8_parameter, packed_linear, packed_rows, to_mxfp8_
 from m3lm.layers.mlp import MLP
 from m3lm.layers.msa_attention import MSAAttention
-from m3lm.layers.norm import RMSNorm, rms_norm_cpu
-from m3lm.layers.rotary import apply_rope_rows, norm_rope
+from m3lm.layers.norm import RMSNorm
+from m3lm.layers.rotary import norm_rope
 
 
 class Attention(nn.Module):
@@ -71,19 +72,10 @@ class Attention(nn.Module):
         heads = None
         if isinstance(batch, DecodeBatch):  # on the GPU one launch: heads, and k, v into the caches
             heads = self.attn.decode_heads(y, self.dims, self._norms(), self.q_norm.eps, cos, sin, batch)
-        if (
-            heads is None
-            and y is not None
-            and y.dtype == torch.float32
-            and not y.is_cuda
-            and self._one_width()
-        ):
-            rows = batch.rope_rows(*self.rotary, self.head_dim)
-            q, k, v, iq, ik = self._heads_packed(y, rows)  # the CPU: every head in one pass
-        elif heads is None:
-            q, k, v, iq, ik = self._heads(outs, cos, sin)
-        else:
+        if heads is not None:
             (q, iq), k, v, ik = heads, None, None, None
+        else:  # on the CPU every head normed and rotated in one pass, where `packed_heads` can
+            q, k, v, iq, ik = packed_heads(y, self, batch) or self._heads(outs, cos, sin)
         return self.o_proj(self.attn(q, k, v, iq, ik, batch).flatten(1))  # [T, C]
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
@@ -107,35 +99,6 @@ class Attention(nn.Module):
     def _norms(self) -> tuple[torch.Tensor, ...]:
         heads = (self.q_norm, self.k_norm) + ((self.index_q_norm, self.index_k_norm) if self.sparse else ())
         return tuple(n.weight for n in heads)
-
-    def _one_width(self) -> bool:
-        """Whether every head of the packed product (index heads too) is head_dim wide."""
-        return not self.sparse or self.dims[3] == self.head_dim
-
-    def _heads_packed(self, y: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> tuple:
-        """`_heads` from the fp32 packed product y [T, W] whose heads are all head_dim wide: one
-        norm (each head with its own weight) and one rotation (`rope`: `rotary.rope_rows`) over
-        every head, v's included and then left unused, instead of both per kind of head."""
-        h, k = self.n_heads, self.n_kv
-        heads = y.view(y.shape[0], -1, self.head_dim)  # [T, N, D]: q, k, v (index q, index k)
-        out = apply_rope_rows(rms_norm_cpu(heads, self._head_norm_weights(), self.q_norm.eps), rope)
-        q, kk, v = out[:, :h], out[:, h : h + k], heads[:, h + k : h + 2 * k]
-        if not self.sparse:
-            return q, kk, v, None, None
-        return q, kk, v, out[:, h + 2 * k : h + 3 * k], out[:, h + 3 * k]
-
-    def _head_norm_weights(self) -> torch.Tensor:
-        """[N, D]: each packed head's norm weight (v's rows are zero: never read), made on first
-        use and again whenever a norm weight changes."""
-        norms = self._norms()
-        key = tuple((w.data_ptr(), w._version) for w in norms)
-        if getattr(self, "_head_norms_of", None) != key:
-            h, k = self.n_heads, self.n_kv
-            counts = (h, k, k, k, 1) if self.sparse else (h, k, k)
-            rows = [*norms[:2], torch.zeros_like(norms[0]), *norms[2:]]
-            whole = torch.cat([w.detach()[None].expand(n, -1) for w, n in zip(rows, counts, strict=True)])
-            self._head_norms, self._head_norms_of = whole, key
-        return self._head_norms
 
     def _heads(self, outs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """`project` from the projections `outs` (`_products`)."""

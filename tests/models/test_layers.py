@@ -194,6 +194,8 @@ def test_packed_heads_are_the_heads_of_each_kind(wide):
     # The CPU forward norms and rotates every head of the packed product in one pass (v's rows
     # included, then dropped): the same heads as a norm and a rotation per kind (`project`).
     from m3lm.config import ModelArgs
+    from m3lm.core import ForwardBatch
+    from m3lm.layers.heads import packed_heads
     from m3lm.models.minimax_m3 import MiniMaxM3, random_init_
     from tests.support.checkpoints import Spec, release_config
 
@@ -201,13 +203,14 @@ def test_packed_heads_are_the_heads_of_each_kind(wide):
     args = ModelArgs.from_dict(release_config(spec))
     model = random_init_(MiniMaxM3(args), seed=4)
     x = torch.randn(5, args.hidden_size, generator=torch.Generator().manual_seed(5))
-    cos, sin = rope_cos_sin(torch.arange(3, 8), args.rotary_dim, args.rope_theta)
+    cos, sin = rope_cos_sin(torch.arange(5), args.rotary_dim, args.rope_theta)
     kinds = set()
     for layer in model.model.layers:
         attn = layer.self_attn
         kinds.add(attn.sparse)
         y, _ = attn._products(x)
-        got = attn._heads_packed(y, rope_rows(cos, sin, args.head_dim))
+        got = packed_heads(y, attn, ForwardBatch.full(1, 5))
+        assert packed_heads(y.double(), attn, ForwardBatch.full(1, 5)) is None
         want = attn.project(x, cos, sin)
         for a, b in zip(got, want, strict=True):
             assert (a is None) == (b is None)
