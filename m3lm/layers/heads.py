@@ -31,12 +31,15 @@ def packed_heads(y: torch.Tensor | None, attn, batch) -> tuple | None:
 def _stacked(owner, norms: tuple[torch.Tensor, ...], counts: tuple[int, ...]) -> torch.Tensor:
     """[N, D]: each head's norm weight (v's rows zero: never read), kept on `owner` and made again
     whenever a weight changes."""
-    rows = [*norms[:2], torch.zeros_like(norms[0]), *norms[2:]]
     if any(w.is_inference() for w in norms):  # no version counter to tell a change by: made anew
-        return torch.cat([w.detach()[None].expand(n, -1) for w, n in zip(rows, counts, strict=True)])
+        return _stack(norms, counts)
     key = tuple((w.data_ptr(), w._version) for w in norms)
     kept = owner.__dict__.get("_stacked_norms")
     if kept is None or kept[0] != key:
-        whole = torch.cat([w.detach()[None].expand(n, -1) for w, n in zip(rows, counts, strict=True)])
-        kept = owner.__dict__["_stacked_norms"] = (key, whole)
+        kept = owner.__dict__["_stacked_norms"] = (key, _stack(norms, counts))
     return kept[1]
+
+
+def _stack(norms: tuple[torch.Tensor, ...], counts: tuple[int, ...]) -> torch.Tensor:
+    rows = [*norms[:2], torch.zeros_like(norms[0]), *norms[2:]]
+    return torch.cat([w.detach()[None].expand(n, -1) for w, n in zip(rows, counts, strict=True)])
