@@ -383,9 +383,10 @@ def _bench_flags(args: argparse.Namespace) -> None:
 
 
 def _pool(args: argparse.Namespace) -> dict:
-    """The KV pool's EngineConfig fields given on the command line."""
+    """The KV pool's EngineConfig fields given on the command line, and `cpu_compile` when set."""
     keys = ("gpu_memory_utilization", "kv_cache_memory", "kv_cache_tokens")
-    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    fields = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    return fields | ({"cpu_compile": True} if getattr(args, "cpu_compile", False) else {})
 
 
 def _default_model(args: argparse.Namespace) -> None:

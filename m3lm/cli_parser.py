@@ -160,6 +160,16 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     _speculative(p)
 
 
+def _compile_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        dest="cpu_compile",
+        action="store_true",
+        help="on the CPU, run each decode step as one compiled program (about 2x faster decode; "
+        "compiling takes tens of seconds before the first step, or at a server's warm-up)",
+    )
+
+
 def _pool_flags(p: argparse.ArgumentParser, utilization: float | None, default: str) -> None:
     p.add_argument(
         "--gpu-memory-utilization",
@@ -452,5 +462,7 @@ def build_parser(commands) -> argparse.ArgumentParser:
         _shared_flags(p)
     for p in (gen, chat):
         _pool_flags(p, None, "a cache of the request's length")
+        _compile_flag(p)
     _pool_flags(srv, 0.9, "0.9")
+    _compile_flag(srv)
     return parser

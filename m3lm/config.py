@@ -540,6 +540,8 @@ class EngineConfig:
     of whole pages (`BlockManager.match`); pages of finished requests stay cached until their
     room is needed. `warmup`: whether a serving engine runs `engine.warmup.warm_up` before its first
     request (every kernel variant a step can need compiled, every decode graph captured).
+    `cpu_compile`: on the CPU a decode step runs as one compiled program instead of op by op
+    (`engine.cpu_compile`); the warm-up compiles it (seconds with torch's cache, more without).
     """
 
     max_num_seqs: int = 64
@@ -550,6 +552,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     msa_dense_window: float | None = None
     cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs
+    cpu_compile: bool = False  # decode steps on the CPU run compiled (`engine.cpu_compile`)
     index_cache_fp8: bool = False
     prefix_caching: bool = True  # a prompt starts on the cached pages of its longest known prefix
     warmup: bool = True  # compile kernels and capture graphs before serving

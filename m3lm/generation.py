@@ -172,7 +172,8 @@ def _one_request_engine(
     model, tokenizer, context, msa_dense_window, prefill_chunk_size, pool=None, speculative_config=None
 ) -> LLMEngine:
     """An engine for one sequence at a time of up to `context` tokens (at most the model's), its
-    pool that long unless `pool` (kv_cache_tokens, kv_cache_memory, gpu_memory_utilization) says."""
+    pool that long unless `pool` (kv_cache_tokens, kv_cache_memory, gpu_memory_utilization) says;
+    other EngineConfig fields in `pool` (cpu_compile) pass through."""
     context = min(context, model.args.max_position_embeddings)
     pool = pool or {}
     sized = any(k in pool for k in ("kv_cache_tokens", "kv_cache_memory", "gpu_memory_utilization"))

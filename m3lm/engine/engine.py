@@ -117,6 +117,18 @@ class LLMEngine:
             from m3lm.engine.cuda_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(model, self.cache, min(config.max_num_seqs, 256), max_pages, num_pages)
+        elif (
+            config.cpu_compile
+            and self.device.type == "cpu"
+            and parallel.world == 1
+            and config.msa_dense_window is None
+        ):
+            from m3lm.engine.cpu_compile import CompiledDecode
+
+            # Tables wider than a selection (else as wide as a sequence's): one graph for every width.
+            topk = args.index_topk_blocks
+            width = (topk + 1 if max_pages > topk else max_pages) if any(args.sparse_layers) else 2
+            graphs = CompiledDecode(model, self.cache, config.max_num_seqs, num_pages, width)
         self.runner = ModelRunner(model, self.cache, config.msa_dense_window, graphs, max_pages)
         self.speculator = self._speculator(head, num_pages + 1)
         self.sampler = Sampler()

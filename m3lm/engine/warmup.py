@@ -151,10 +151,10 @@ def _warm_mask(engine) -> None:
 
 def warm_up(engine, progress: bool = True) -> WarmupReport:
     """Run `engine`'s runner over every step shape of `warmup_plan` and capture every decode graph,
-    before any request (the warm-up takes pages from the block manager and gives them back). A
-    no-op report on the CPU."""
+    before any request (the warm-up takes pages from the block manager and gives them back). On
+    the CPU: the compiled decode step's graphs (`EngineConfig.cpu_compile`), else nothing."""
     if engine.device.type != "cuda":
-        return WarmupReport()
+        return _warm_cpu(engine)
     cfg, args = engine.config, engine.model.args
     plan = warmup_plan(
         cfg.max_num_batched_tokens,
@@ -194,4 +194,15 @@ def warm_up(engine, progress: bool = True) -> WarmupReport:
         report.variants,
         report.graphs,
     )
+    return report
+
+
+def _warm_cpu(engine) -> WarmupReport:
+    report, graphs = WarmupReport(), engine.runner.graphs
+    if graphs is None:
+        return report
+    start = time.perf_counter()
+    report.graphs = len(graphs.capture_all())
+    report.seconds = time.perf_counter() - start
+    log.info("warm-up: %.1f s, %d compiled decode graphs", report.seconds, report.graphs)
     return report

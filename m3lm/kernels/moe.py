@@ -184,8 +184,11 @@ def moe_experts_ref(
 
     x [T, C], weights [T, A] fp32, ids [T, A], w1 (gate) / w3 (up) [E, I, C], w2 (down) [E, C, I].
     Fewer pairs than experts (a decode step): each pair on its own (`experts_by_pair`); else
-    each expert once over its tokens (`experts_by_expert`).
+    each expert once over its tokens (`experts_by_expert`). Inside a compiled graph, where the
+    expert ids cannot be read on the host: every pair's weights gathered (`experts_gathered`).
     """
+    if torch.compiler.is_compiling():  # a compiled CPU decode step: no host reads in its graph
+        return experts_gathered(x, weights, ids, w1, w3, w2, alpha, limit)
     by = experts_by_pair if ids.numel() < w1.shape[0] else experts_by_expert
     return by(x, weights, ids, w1, w3, w2, alpha, limit)
 
@@ -222,6 +225,21 @@ def experts_by_pair(x, weights, ids, w1, w3, w2, alpha: float, limit: float) -> 
             h = swiglu_oai(linear(xt, w1[e]), linear(xt, w3[e]), alpha, limit)  # [1, I]
             out[t] += linear(h, w2[e])[0].float() * w
     return out
+
+
+def experts_gathered(x, weights, ids, w1, w3, w2, alpha: float, limit: float) -> torch.Tensor:
+    """`moe_experts_ref` with each (token, expert) pair's weights gathered on the device: batched
+    products over the T*A pairs, no host read of the ids (what a compiled graph can hold)."""
+    t, a = ids.shape
+    flat = ids.flatten()  # [T*A]
+    xp = x.repeat_interleave(a, 0)[:, None, :]  # [T*A, 1, C]
+    # Written as products and sums over gathered rows: compiled, one loop reads each pair's
+    # weights where they are, with no copy of them.
+    gate = (w1[flat] * xp).sum(-1)  # [T*A, I]
+    up = (w3[flat] * xp).sum(-1)
+    h = swiglu_oai(gate, up, alpha, limit)[:, None, :]  # [T*A, 1, I]
+    y = (w2[flat] * h).sum(-1).float()  # [T*A, C]
+    return (y.view(t, a, -1) * weights[..., None]).sum(1)  # [T, C]
 
 
 def moe_experts_mxfp8(x, weights, ids, w1, s1, w3, s3, w2, s2, alpha: float, limit: float) -> torch.Tensor:

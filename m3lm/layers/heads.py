@@ -30,7 +30,9 @@ def packed_heads(y: torch.Tensor | None, attn, batch) -> tuple | None:
 
 def _stacked(owner, norms: tuple[torch.Tensor, ...], counts: tuple[int, ...]) -> torch.Tensor:
     """[N, D]: each head's norm weight (v's rows zero: never read), kept on `owner` and made again
-    whenever a weight changes."""
+    whenever a weight changes; inside a compiled graph the kept ones (an eager step made them)."""
+    if torch.compiler.is_compiling() and "_stacked_norms" in owner.__dict__:
+        return owner.__dict__["_stacked_norms"][1]
     if any(w.is_inference() for w in norms):  # no version counter to tell a change by: made anew
         return _stack(norms, counts)
     key = tuple((w.data_ptr(), w._version) for w in norms)

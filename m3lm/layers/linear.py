@@ -54,6 +54,8 @@ def packed_rows(*layers: nn.Module) -> tuple[torch.Tensor, ...] | None:
     The first call moves them into one buffer, and their parameters become views of it, so
     loading, state dicts and the unpacked path see the same tensors as before. The packed views
     are kept on the first layer while every parameter is still where they were made from.
+    Inside a compiled graph the kept views are taken as they are (`engine.cpu_compile` runs an
+    eager step before it compiles).
     """
     first = layers[0]
     if (
@@ -63,9 +65,11 @@ def packed_rows(*layers: nn.Module) -> tuple[torch.Tensor, ...] | None:
         or any(getattr(m, "bias", None) is not None for m in layers)
     ):
         return None
+    kept = first.__dict__.get("_packed_rows")
+    if torch.compiler.is_compiling():  # a graph cannot compare pointers: an eager step packed them first
+        return None if kept is None else kept[1]
     groups = list(zip(*(_rows(m) for m in layers), strict=True))  # per tensor kind: one per layer
     key = tuple((t.data_ptr(), t.shape, t.dtype) for g in groups for t in g)
-    kept = first.__dict__.get("_packed_rows")
     if kept is not None and kept[0] == key:
         return kept[1]
     if any(t.shape[1:] != g[0].shape[1:] or t.dtype != g[0].dtype for g in groups for t in g):

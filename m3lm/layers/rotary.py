@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+_INV_FREQ: dict[tuple, torch.Tensor] = {}
 
-@functools.cache
+
 def _inv_freq(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """Computed on the CPU (bitwise the reference's) and moved once; reused inside CUDA graphs."""
-    inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-    return inv.to(device)
+    """Computed on the CPU (bitwise the reference's) and moved once; reused inside CUDA graphs,
+    and read, not computed, by a compiled step (an eager step made it first)."""
+    key = (rotary_dim, theta, str(device))
+    if key not in _INV_FREQ:
+        inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        _INV_FREQ[key] = inv.to(device)
+    return _INV_FREQ[key]
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,6 +62,21 @@ def test_greedy_matches_golden(fixture, chunk):
     assert torch.allclose(got, ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("fixture", golden_params())
+def test_compiled_greedy_matches_golden(fixture):
+    # The CPU's compiled decode step (`--compile`), compiled at the first decode step.
+    model, _ = m3lm.load(fixture, device="cpu", dtype=torch.float32)
+    exp = load_file(fixture / "expected.safetensors")
+    want = exp["greedy.output_ids"]
+    res = m3lm.generate(
+        model, None, exp["greedy.input_ids"][0].tolist(), max_tokens=len(want), logprobs=0,
+        pool={"cpu_compile": True}, **GREEDY,
+    )  # fmt: skip
+    assert res.token_ids == want.tolist()
+    ref = torch.log_softmax(exp["greedy.step_logits"], -1).gather(1, want[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([lp.logprob for lp in res.logprobs]), ref, atol=1e-4)
+
+
 def test_decode_matches_full_forward(tiny):
     """Token-by-token decode through the caches gives the logits of one full causal forward."""
     p = prompt(30)

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from m3lm.kernels.fp8 import dequant_mxfp8, quantize_mxfp8
-from m3lm.kernels.moe import experts_by_expert, experts_by_pair, moe, moe_experts_ref, route, split_bf16
+from m3lm.kernels.moe import (
+    experts_by_expert,
+    experts_by_pair,
+    experts_gathered,
+    moe,
+    moe_experts_ref,
+    route,
+    split_bf16,
+)
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
 from m3lm.layers.linear import MXFP8Linear, packed_linear, packed_rows
 from m3lm.layers.mlp import swiglu_oai
@@ -354,6 +362,19 @@ def test_moe_pairs_one_at_a_time_match_experts_over_their_tokens(t_len):
     whole = experts_by_expert(x, weights, ids, w1, w3, w2, 1.702, 7.0)
     torch.testing.assert_close(moe_experts_ref(x, weights, ids, w1, w3, w2, 1.702, 7.0), whole)
     torch.testing.assert_close(experts_by_pair(x, weights, ids, w1, w3, w2, 1.702, 7.0), whole)
+
+
+@pytest.mark.parametrize("t_len", [1, 3, 16])
+def test_moe_pairs_gathered_in_one_graph_match_experts_over_their_tokens(t_len):
+    # A compiled decode step gathers every pair's weights (no host read of the ids).
+    gen = torch.Generator().manual_seed(10 + t_len)
+    c, e, i, a = 16, 8, 12, 2
+    x = torch.randn(t_len, c, generator=gen)
+    w1, w3 = torch.randn(e, i, c, generator=gen), torch.randn(e, i, c, generator=gen)
+    w2 = torch.randn(e, c, i, generator=gen)
+    weights, ids = route(torch.randn(t_len, e, generator=gen), torch.zeros(e), a)
+    whole = experts_by_expert(x, weights, ids, w1, w3, w2, 1.702, 7.0)
+    torch.testing.assert_close(experts_gathered(x, weights, ids, w1, w3, w2, 1.702, 7.0), whole)
 
 
 def test_mxfp8_dequant_hand_values():
