@@ -17,7 +17,9 @@ the best rounds; every run's tokens are checked identical between the engines.
 
 transformers runs `MiniMaxM3VLForCausalLM` (its default attention and experts implementations)
 with the checkpoint's weights, renamed and stacked here; `generate` with a streamer that stamps
-each step. m3lm runs `LLMEngine.step` on token ids.
+each step. m3lm runs `LLMEngine.step` on token ids with its compiled CPU decode step
+(`EngineConfig.cpu_compile`, what `--compile` turns on), compiled before the timed runs (the
+seconds it took are reported); prefill runs op by op either way.
 
 `--baseline DIR` adds `decode1` at one thread for this build against the m3lm source tree DIR
 (e.g. `git worktree add --detach /tmp/base <commit>`): each round a fresh process of each tree
@@ -71,28 +73,45 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 class M3lm:
+    """m3lm's engine with the CPU's compiled decode step (`--compile`) where the tree has it: one
+    engine per batch shape and thread count, its graphs compiled in the warm-up run."""
+
     name = "m3lm"
 
     def __init__(self):
         import m3lm
 
         self.model, _ = m3lm.load(story_dir(), device="cpu", dtype=torch.float32, skip_tokenizer_init=True)
+        self.engines: dict[tuple, object] = {}
+        self.compile_s: dict[tuple, float] = {}
+
+    def engine(self, n: int, length: int, new: int):
+        from m3lm.config import EngineConfig
+        from m3lm.engine.engine import LLMEngine
+
+        key = (n, length, new, torch.get_num_threads())
+        if key not in self.engines:
+            compiles = "cpu_compile" in EngineConfig.__dataclass_fields__  # a baseline tree may lack it
+            config = EngineConfig(
+                max_num_seqs=n,
+                max_model_len=length + new,
+                max_num_batched_tokens=max(2048, n * length),  # every prompt in one step
+                kv_cache_tokens=n * (length + new) + 64 * n,
+                prefix_caching=False,
+                **({"cpu_compile": True} if compiles else {}),
+            )
+            engine = self.engines[key] = LLMEngine(self.model, None, config, {})
+            if engine.runner.graphs is not None:
+                start = time.perf_counter()
+                engine.runner.graphs.capture_all()
+                self.compile_s[key] = time.perf_counter() - start
+        return self.engines[key]
 
     def run(self, ids: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
         """Seconds of the measured span (see `span`) and each prompt's generated ids."""
-        from m3lm.config import EngineConfig
         from m3lm.core import SamplingParams
-        from m3lm.engine.engine import LLMEngine
 
-        total = len(ids) * (len(ids[0]) + new)
-        config = EngineConfig(
-            max_num_seqs=len(ids),
-            max_model_len=len(ids[0]) + new,
-            max_num_batched_tokens=max(2048, len(ids) * len(ids[0])),  # every prompt in one step
-            kv_cache_tokens=total + 64 * len(ids),
-            prefix_caching=False,
-        )
-        engine = LLMEngine(self.model, None, config, {})
+        engine = self.engine(len(ids), len(ids[0]), new)
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
         seqs = [engine.add_request(p, params) for p in ids]
@@ -335,6 +354,10 @@ def main() -> None:
         f"transformers {version('transformers')}; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}",
         f"m3lm at {commit(REPO)}; transformers' attention {hf_set['attention']}, experts {hf_set['experts']}",
         f"Load time in this process: m3lm {load_m3lm:.2f} s, transformers (build + state dict) {load_hf:.2f} s",
+        "m3lm's decode graphs compiled before the timed runs in "
+        + ", ".join(
+            f"{s:.0f} s ({k[0]} x {k[1]}, {k[3]} thread{'s' * (k[3] > 1)})" for k, s in mine.compile_s.items()
+        ),
         f"{a.rounds} rounds per case, engines alternating; decode tok/s count the tokens after each "
         "sequence's first, prefill tok/s the prompt tokens to the first token. Greedy tokens identical "
         "in every run unless marked.",
