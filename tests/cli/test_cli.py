@@ -57,6 +57,19 @@ def test_generate_streams_text_and_stats():
 
 
 @needs_fixture
+def test_generate_with_compiled_decode_steps_gives_the_same_text():
+    import m3lm
+
+    model, tok = m3lm.load(TINY, device="cpu")
+    want = m3lm.generate(model, tok, "Once upon a time", max_tokens=20, temperature=0.0).text
+    argv = ["generate", "--model", str(TINY), "--prompt", "Once upon a time", "--max-tokens", "20"]
+    r = cli("--verbose", *argv, "--temperature", "0", "--compile")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "Once upon a time" + want + "\n"
+    assert "decoding eagerly" not in r.stderr  # the compiled step ran
+
+
+@needs_fixture
 def test_generate_rejects_a_prompt_longer_than_the_context(tmp_path):
     import json
     import shutil
