@@ -30,10 +30,11 @@ def index_block_scores_ref(
     """
     tk = ik.shape[0]
     n_blocks = -(-tk // block_size)
-    s = torch.einsum("thd,jd->htj", iq.float(), ik.float())  # [K, T, Tk]
+    s = torch.einsum("thd,jd->htj", iq.float(), ik.float())  # [K, T, Tk], a new tensor
     future = torch.arange(tk, device=ik.device)[None, :] > q_pos[:, None]  # [T, Tk]
-    s = s.masked_fill(future[None], float("-inf"))
-    s = torch.nn.functional.pad(s, (0, n_blocks * block_size - tk), value=float("-inf"))
+    s.masked_fill_(future[None], float("-inf"))
+    if tk % block_size:
+        s = torch.nn.functional.pad(s, (0, n_blocks * block_size - tk), value=float("-inf"))
     return s.unflatten(-1, (n_blocks, block_size)).amax(-1)  # [K, T, N]
 
 
@@ -169,8 +170,9 @@ def _block_keep(block_ids: torch.Tensor, tk: int, block_size: int) -> torch.Tens
     safe = block_ids.masked_fill(block_ids < 0, n_blocks)
     mask = torch.zeros(*block_ids.shape[:2], n_blocks + 1, dtype=torch.bool, device=block_ids.device)
     mask.scatter_(-1, safe, True)
-    key_block = torch.arange(tk, device=block_ids.device) // block_size
-    return mask[..., key_block]  # [K, Tc, Tk]
+    # Each block's flag repeated over its keys (one copy, not a gather by key).
+    keys = mask[..., :n_blocks, None].expand(*mask.shape[:2], n_blocks, block_size)
+    return keys.flatten(-2)[..., :tk]  # [K, Tc, Tk]
 
 
 # cuDNN's fused attention builds a plan on the host for each new shape (about 10 ms, inside a
