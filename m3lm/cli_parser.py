@@ -165,7 +165,7 @@ def _compile_flag(p: argparse.ArgumentParser) -> None:
         "--compile",
         dest="cpu_compile",
         action="store_true",
-        help="on the CPU, run each decode step as one compiled program (about 2x faster decode; "
+        help="on the CPU, run each decode step as one compiled program (2-3x faster decode; "
         "compiling takes tens of seconds before the first step, or at a server's warm-up)",
     )
 
