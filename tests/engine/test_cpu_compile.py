@@ -13,6 +13,7 @@ from m3lm.core import SamplingParams
 from m3lm.engine.cpu_compile import CompiledDecode
 from m3lm.engine.engine import LLMEngine
 from m3lm.engine.warmup import warm_up
+from tests.support.checkpoints import Spec, hf_model, release_config, to_release, write_checkpoint
 
 # Mixed lengths: with blocks of 4 and top-3 the tiny model's selection engages past 12 tokens, and
 # the tables grow from 1 page to 13 while these decode.
@@ -86,3 +87,20 @@ def test_a_compile_that_fails_leaves_eager_decoding(tiny, eager, caplog, monkeyp
     assert graphs.failed == "RuntimeError: no C++ compiler found"
     assert "decoding eagerly (RuntimeError: no C++ compiler found)" in caplog.text
     assert got == eager[: len(PROMPTS)]
+
+
+def test_engines_of_two_models_of_one_shape_each_decode_their_own(tiny, eager, tmp_path):
+    # The graphs hold frozen weights and share torch's cache of compiled code: an engine on
+    # another model of the same shapes must not run the first one's graphs.
+    import m3lm
+
+    s = Spec()
+    path = write_checkpoint(tmp_path, to_release(hf_model(s, seed=22).state_dict(), s), release_config(s))
+    other, _ = m3lm.load(path, device="cpu", dtype=torch.float32)
+    other_eager = generate(engine_for(other, compiled=False), PROMPTS[:2])
+    assert [ids for ids, _ in other_eager] != [ids for ids, _ in eager[:2]]  # the models differ
+    engines = [engine_for(tiny, compiled=True), engine_for(other, compiled=True)]
+    for engine in engines:
+        warm_up(engine, progress=False)
+    for engine, want in [(engines[1], other_eager), (engines[0], eager[:2])] * 2:
+        assert [ids for ids, _ in generate(engine, PROMPTS[:2])] == [ids for ids, _ in want]
