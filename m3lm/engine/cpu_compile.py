@@ -35,12 +35,15 @@ RECOMPILE_LIMIT = 64
 class CompiledDecode:
     """`run(tokens, positions, tables)` -> fp32 logits [B, V] of one new token per sequence.
 
-    Block tables are padded (with the spare page) to at least `min_width` pages, at least two,
-    so that every width shares one graph."""
+    Block tables are padded (with the spare page) wider than a selection's top-k blocks (when a
+    sequence's `max_pages` exceed it; else to `max_pages`), at least two pages, so that every
+    width takes the same graph."""
 
-    def __init__(self, model: MiniMaxM3, cache: KVCache, max_batch: int, spare_page: int, min_width: int = 2):
-        self.model, self.cache, self.spare = model, cache, spare_page
-        self.max_batch, self.min_width = max_batch, max(2, min_width)
+    def __init__(self, model: MiniMaxM3, cache: KVCache, max_batch: int, spare_page: int, max_pages: int):
+        self.model, self.cache, self.spare, self.max_batch = model, cache, spare_page, max_batch
+        topk = model.args.index_topk_blocks
+        wide = (topk + 1 if max_pages > topk else max_pages) if any(model.args.sparse_layers) else 2
+        self.min_width = max(2, wide)
         self.buckets = [1, 2] if max_batch > 1 else [1]  # a graph each: 1, and every B >= 2
         self.failed: str | None = None  # why compiling failed: every step then runs eagerly
         self._compiled_shapes: set[int] = set()
@@ -79,9 +82,7 @@ class CompiledDecode:
             try:
                 return self._run_compiled(*args)
             except Exception as e:  # any failure to compile: this engine runs eagerly
-                self.failed = (
-                    f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                )
+                self.failed = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
                 log.warning("compiled CPU decode step unavailable, decoding eagerly (%s)", self.failed)
         return self._step(*args)
 

@@ -125,10 +125,7 @@ class LLMEngine:
         ):
             from m3lm.engine.cpu_compile import CompiledDecode
 
-            # Tables wider than a selection (else as wide as a sequence's): one graph for every width.
-            topk = args.index_topk_blocks
-            width = (topk + 1 if max_pages > topk else max_pages) if any(args.sparse_layers) else 2
-            graphs = CompiledDecode(model, self.cache, config.max_num_seqs, num_pages, width)
+            graphs = CompiledDecode(model, self.cache, config.max_num_seqs, num_pages, max_pages)
         self.runner = ModelRunner(model, self.cache, config.msa_dense_window, graphs, max_pages)
         self.speculator = self._speculator(head, num_pages + 1)
         self.sampler = Sampler()

@@ -67,10 +67,17 @@ def test_compiled_steps_give_the_eager_tokens_and_logprobs(eager, compiled):
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(want), atol=1e-4, rtol=0)
 
 
-def test_no_graph_is_made_after_the_warm_up(compiled):
+def test_no_graph_is_made_after_the_warm_up(compiled, monkeypatch):
     engine, _, graphs_after_warm_up = compiled
+    stance = torch.compiler.set_stance
+
+    def failing(name, **kw):  # a step that would need a new graph raises instead of running eagerly
+        return stance("fail_on_recompile" if name == "eager_on_recompile" else name, **kw)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", failing)
     generate(engine, PROMPTS[:3])  # batches of 3, 2 and 1 as sequences finish; widths 1 to 9 pages
     generate(engine, [list(range(2, 40))], together=False)
+    assert engine.runner.graphs.failed is None  # (a raise would have left eager decoding)
     assert counters["stats"]["unique_graphs"] == graphs_after_warm_up
 
 
