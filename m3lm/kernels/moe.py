@@ -6,6 +6,7 @@ Shapes: T tokens, C hidden, E experts, A active experts per token, I expert widt
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -194,23 +195,37 @@ def moe_experts_ref(
 
 
 def experts_by_expert(x, weights, ids, w1, w3, w2, alpha: float, limit: float) -> torch.Tensor:
-    """`moe_experts_ref` one expert at a time over the tokens that chose it."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, C]
-    flat_ids = ids.flatten()  # [T*A]
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
-    tokens = order // ids.shape[1]
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        sel = order[start : start + n]
-        tok = tokens[start : start + n]
-        start += n
-        xe = x[tok]  # [n, C]
-        h = swiglu_oai(xe @ w1[e].T, xe @ w3[e].T, alpha, limit)  # [n, I]
-        ye = (h @ w2[e].T).float() * weights.flatten()[sel, None]  # [n, C]
-        out[tok] += ye  # a token picks an expert once: rows apart, no scattered add (slow threaded)
+    """`moe_experts_ref` one expert at a time over the tokens that chose it.
+
+    The pairs are sorted by expert once, so each expert's products read a slice of one gathered
+    copy of the rows and the activation runs once over every pair; each token's pairs then add
+    up in the order of their expert ids.
+    """
+    t, a = ids.shape
+    ids, slot = ids.sort(dim=1)  # [T, A]: each token's experts in id order
+    flat = ids.flatten()  # [P = T*A]
+    order = flat.argsort(stable=True)  # the pairs grouped by expert
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    xs = x.index_select(0, order // a)  # [P, C]
+    ends = list(itertools.accumulate(counts))
+    spans = [(e, end - n, end) for e, (n, end) in enumerate(zip(counts, ends, strict=True)) if n]
+    h = swiglu_oai(_grouped(xs, w1, spans), _grouped(xs, w3, spans), alpha, limit)  # [P, I]
+    y = _grouped(h, w2, spans).float() * weights.gather(1, slot).flatten()[order, None]  # [P, C]
+    pairs = y.index_select(0, order.argsort()).view(t, a, -1)  # back in token order: [T, A, C]
+    out = pairs[:, 0]
+    for j in range(1, a):
+        out = out + pairs[:, j]
+    return out  # [T, C]
+
+
+def _grouped(rows: torch.Tensor, w: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    """rows [P, In] grouped by expert (spans: expert, first row, end) -> [P, O]: each group's
+    rows @ w[e].T, written in place (joined when autograd needs the products)."""
+    if torch.is_grad_enabled() and (rows.requires_grad or w.requires_grad):
+        return torch.cat([rows[lo:hi] @ w[e].T for e, lo, hi in spans])
+    out = rows.new_empty(rows.shape[0], w.shape[1])
+    for e, lo, hi in spans:
+        torch.mm(rows[lo:hi], w[e].T, out=out[lo:hi])
     return out
 
 

@@ -13,12 +13,24 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Elements of fp32 scores one query chunk may hold; bounds memory for long sequences.
 SCORE_BUDGET = 1 << 24
+# Queries per chunk on the CPU, whose chunks read only the keys up to their last query: causal
+# attention and selection then cost about half of a square's work.
+CPU_QUERY_CHUNK = 256
 
 
 def _query_chunk(rows_per_query: int, tk: int, device: torch.device | None = None) -> int:
     # A GPU affords 16x larger chunks (256 MiB of fp32 scores): fewer, larger launches.
-    budget = SCORE_BUDGET * (16 if device is not None and device.type == "cuda" else 1)
-    return max(1, budget // max(1, rows_per_query * tk))
+    if device is not None and device.type == "cuda":
+        return max(1, 16 * SCORE_BUDGET // max(1, rows_per_query * tk))
+    return max(1, min(CPU_QUERY_CHUNK, SCORE_BUDGET // max(1, rows_per_query * tk)))
+
+
+def _keys_seen(q_pos: torch.Tensor, keys: torch.Tensor) -> int:
+    """How many leading keys a chunk of queries can see: up to its last position on the CPU (a
+    cheap host read there), all of them on the GPU (where a read would stall the stream)."""
+    if keys.is_cuda:
+        return keys.shape[0]
+    return min(keys.shape[0], int(q_pos.max()) + 1)
 
 
 def index_block_scores_ref(
@@ -99,8 +111,9 @@ def msa_select_ref(
     step = _query_chunk(iq.shape[1], ik.shape[0], iq.device)
     out = []
     for s in range(0, iq.shape[0], step):
-        scores = index_block_scores_ref(iq[s : s + step], ik, q_pos[s : s + step], block_size)
-        out.append(select_blocks_ref(scores, q_pos[s : s + step], block_size, topk, local, init))
+        pos = q_pos[s : s + step]
+        scores = index_block_scores_ref(iq[s : s + step], ik[: _keys_seen(pos, ik)], pos, block_size)
+        out.append(select_blocks_ref(scores, pos, block_size, topk, local, init))
     return torch.cat(out, dim=1)
 
 
@@ -218,12 +231,14 @@ def _sdpa(qg, kg, vg, q_pos, scale, block_ids, block_size) -> torch.Tensor:
         return sdpa(qg, kg, vg, is_causal=True, scale=scale)  # positions 0..T-1 against themselves
     key_pos = torch.arange(tk, device=qg.device)
     out = torch.empty_like(qg)
-    budget = (1 << 28) if qg.is_cuda else SCORE_BUDGET  # mask elements per query chunk
-    step = max(1, budget // max(1, n_kv * tk))
+    step = max(1, (1 << 28) // max(1, n_kv * tk)) if qg.is_cuda else _query_chunk(n_kv, tk)
     for s in range(0, t_len, step):
-        keep = (key_pos[None, :] <= q_pos[s : s + step, None])[None]  # [1, Tc, Tk]
+        pos = q_pos[s : s + step]
+        end = _keys_seen(pos, key_pos)  # the keys past the chunk's last query are masked: left out
+        keep = (key_pos[None, :end] <= pos[:, None])[None]  # [1, Tc, end]
         if block_ids is not None:
-            keep = keep & _block_keep(block_ids[:, s : s + step], tk, block_size)  # [K, Tc, Tk]
-        mask = keep.expand(n_kv, -1, -1)[:, None]  # [K, 1, Tc, Tk]
-        out[:, :, s : s + step] = sdpa(qg[:, :, s : s + step], kg, vg, attn_mask=mask, scale=scale)
+            keep = keep & _block_keep(block_ids[:, s : s + step], end, block_size)  # [K, Tc, end]
+        mask = keep.expand(n_kv, -1, -1)[:, None]  # [K, 1, Tc, end]
+        kc, vc = kg[:, :, :end], vg[:, :, :end]
+        out[:, :, s : s + step] = sdpa(qg[:, :, s : s + step], kc, vc, attn_mask=mask, scale=scale)
     return out

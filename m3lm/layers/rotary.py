@@ -46,22 +46,23 @@ def norm_rope(
     return apply_rope_ref(rms_norm_ref(x, weight, eps), cos, sin)
 
 
-def rope_rows(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, ...]:
-    """cos, sin [T, R/2] -> (c, s) [T, 1, D] and the channel order [D] for `apply_rope_rows`:
-    c = (cos, cos, 1...), s = (-sin, sin, 0...), order swaps the two rotary halves."""
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """cos, sin [T, R/2] -> (c, s) [T, 1, D] and R/2 for `apply_rope_rows`: c = (cos, cos, 1...),
+    s = (-sin, sin, 0...)."""
     half, t = cos.shape[-1], cos.shape[0]
     rest = head_dim - 2 * half
     c = torch.cat([cos, cos, cos.new_ones(t, rest)], -1)[:, None]
     s = torch.cat([-sin, sin, sin.new_zeros(t, rest)], -1)[:, None]
-    order = torch.cat([torch.arange(half, 2 * half), torch.arange(half), torch.arange(2 * half, head_dim)])
-    return c, s, order.to(cos.device)
+    return c, s, half
 
 
-def apply_rope_rows(x: torch.Tensor, rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def apply_rope_rows(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
     """`apply_rope_ref` of fp32 x [T, n, D] in three products over whole heads (`rope_rows`):
-    x1 cos - x2 sin is x1 cos + x2 (-sin), and a finite pass-through channel x is x * 1 + x' * 0."""
-    c, s, order = rows
-    return x * c + x.index_select(-1, order) * s
+    x1 cos - x2 sin is x1 cos + x2 (-sin), and a finite pass-through channel x is x * 1 + x' * 0.
+    The two rotary halves swap as slices (a gather by channel costs ten times more)."""
+    c, s, half = rows
+    swapped = torch.cat([x[..., half : 2 * half], x[..., :half], x[..., 2 * half :]], -1)
+    return x * c + swapped * s
 
 
 def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

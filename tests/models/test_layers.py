@@ -349,6 +349,33 @@ def test_moe_dispatch_matches_per_token_loop():
         assert torch.allclose(out[t], want, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("t_len", "e", "a", "dtype"),
+    [(40, 8, 2, torch.float32), (33, 16, 4, torch.float32), (40, 8, 2, torch.bfloat16)],
+)
+def test_experts_over_their_tokens_match_each_token_alone(t_len, e, a, dtype):
+    # Unequal groups, an expert no token chose, and each token's pairs out of id order.
+    gen = torch.Generator().manual_seed(t_len + e)
+    c, i = 32, 24
+    x = torch.randn(t_len, c, generator=gen).to(dtype)
+    w1, w3 = (torch.randn(e, i, c, generator=gen).div(4).to(dtype) for _ in range(2))
+    w2 = torch.randn(e, c, i, generator=gen).div(4).to(dtype)
+    logits = torch.randn(t_len, e, generator=gen)
+    logits[:, 3] = -9.0  # nobody picks expert 3
+    weights, ids = route(logits, torch.zeros(e), a)
+    assert (ids[:, 0] > ids[:, 1]).any() and not (ids == 3).any()
+    out = experts_by_expert(x, weights, ids, w1, w3, w2, 1.702, 7.0)
+    assert out.dtype == torch.float32
+    for t in range(t_len):
+        want = torch.zeros(c)
+        for j in ids[t].argsort().tolist():  # in expert id order, each product in x's dtype
+            ex = int(ids[t, j])
+            h = swiglu_oai(x[t : t + 1] @ w1[ex].T, x[t : t + 1] @ w3[ex].T, 1.702, 7.0)
+            want = want + (h @ w2[ex].T)[0].float() * weights[t, j]
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[t], want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("t_len", [1, 2, 3])
 def test_moe_pairs_one_at_a_time_match_experts_over_their_tokens(t_len):
     # A decode step's few pairs take `experts_by_pair`; both ways give the same sums.
@@ -421,6 +448,32 @@ def test_sdpa_attention_matches_reference(dtype):
     q2 = torch.randn(tk, 8, 16, generator=gen).to(dtype)
     ref = msa_attention_ref(q2, k, v, full, 0.25)
     assert torch.allclose(msa_attention_sdpa(q2, k, v, full, 0.25).float(), ref.float(), atol=tol)
+
+
+@pytest.mark.parametrize("start", [0, 9])
+def test_cpu_query_chunks_read_only_the_keys_they_see(monkeypatch, start):
+    """Chunks of 5 queries, each reading the keys up to its last one: the selection and the
+    fused attention of one chunk holding every query (all keys read), from position 0 and after
+    cached keys."""
+    import m3lm.kernels.msa as msa
+
+    gen = torch.Generator().manual_seed(5 + start)
+    tk = 47
+    t_len = tk - start
+    q = torch.randn(t_len, 4, 8, generator=gen)
+    k, v = (torch.randn(tk, 2, 8, generator=gen) for _ in range(2))
+    iq, ik = torch.randn(t_len, 2, 8, generator=gen), torch.randn(tk, 8, generator=gen)
+    pos = torch.arange(start, tk)
+    monkeypatch.setattr(msa, "CPU_QUERY_CHUNK", t_len)
+    sel = msa_select_ref(iq, ik, pos, 4, 3, 1, 0)
+    whole = msa.msa_attention_sdpa(q, k, v, pos, 0.3, sel, 4)
+    monkeypatch.setattr(msa, "CPU_QUERY_CHUNK", 5)
+    seen, keys_seen = [], msa._keys_seen
+    monkeypatch.setattr(msa, "_keys_seen", lambda p, keys: seen.append(keys_seen(p, keys)) or seen[-1])
+    assert torch.equal(msa_select_ref(iq, ik, pos, 4, 3, 1, 0), sel)
+    torch.testing.assert_close(msa.msa_attention_sdpa(q, k, v, pos, 0.3, sel, 4), whole, rtol=1e-6, atol=1e-6)
+    assert seen[: -(-t_len // 5)] == [min(tk, start + s + 5) for s in range(0, t_len, 5)]
+    torch.testing.assert_close(whole, msa_attention_ref(q, k, v, pos, 0.3, sel, 4), rtol=1e-5, atol=1e-5)
 
 
 def test_batch_rope_table_is_made_once_and_is_the_positions_table():
