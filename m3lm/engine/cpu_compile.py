@@ -5,7 +5,8 @@ Op by op, a decode step of a small model costs the interpreter and the dispatche
 arithmetic. Its graph (`MiniMaxM3.forward_batch` over a `DecodeBatch`) has no host reads, so it
 compiles whole: fused C++ loops around the matrix products, the weights frozen into the
 program and repacked for them. One graph serves a batch of one and one every larger batch and
-table width (both symbolic), so a warm-up compiles two graphs. After the warm-up a shape that
+table width (both symbolic), so a warm-up compiles two graphs; the batch of one's loops run on
+one thread, as waking a second costs more than they take. After the warm-up a shape that
 would need a new graph runs eagerly instead of compiling while serving; where compiling fails
 (no C++ compiler), every step runs eagerly, with one warning. Frozen weights are copies: the
 weights' memory doubles, and a change to the weights after the compile is not seen.
@@ -99,7 +100,10 @@ class CompiledDecode:
                 torch._dynamo.maybe_mark_dynamic(t, 0)  # B (a batch of one is its own graph)
             torch._dynamo.maybe_mark_dynamic(tables, 1)
             # Frozen: the weights become constants, repacked for the CPU's matrix products.
-            with fx_config.patch(use_duck_shape=False), inductor_config.patch(freezing=True):
+            # The batch of one's loops on one thread: waking a second costs more than its tiny
+            # loops take (larger batches keep torch's threads).
+            options = {"freezing": True, **({"cpp.threads": 1} if b == 1 else {})}
+            with fx_config.patch(use_duck_shape=False), inductor_config.patch(options):
                 out = self._compiled(*args)
             self._compiled_shapes.add(b)
             return out

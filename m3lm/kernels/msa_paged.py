@@ -30,7 +30,7 @@ def index_block_scores(
     keys = _pages(ik_pool, tables).float()  # [B, MAXP, S, Di]
     if ik_scale is not None:
         keys = keys * _pages(ik_scale, tables)[..., None]
-    s = torch.matmul(iq.float(), keys.view(b, -1, keys.shape[-1]).transpose(1, 2))  # [B, K, MAXP*S]
+    s = _matmul(iq.float(), keys.view(b, -1, keys.shape[-1]).transpose(1, 2))  # [B, K, MAXP*S]
     s = s.masked_fill(~_visible(lens, maxp * keys.shape[2])[:, None], float("-inf"))
     return s.view(b, -1, maxp, keys.shape[2]).amax(-1)
 
@@ -75,9 +75,18 @@ def paged_attention(
         keys, values = keys.flatten(2, 3), values.flatten(2, 3)  # [B, K, k*S, D]
         at = blocks[..., None] * s + torch.arange(s, device=q.device)  # [B, K, k, S] positions
         keep = ((blocks[..., None] >= 0) & (at < lens.long()[:, None, None, None])).flatten(2)[:, :, None]
-    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, K, G, n]
+    scores = _matmul(qg, keys.transpose(-1, -2)) * scale  # [B, K, G, n]
     probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
-    return torch.matmul(probs, values).reshape(b, h, d).to(q.dtype)  # [B, K, G, D] -> [B, H, D]
+    return _matmul(probs, values).reshape(b, h, d).to(q.dtype)  # [B, K, G, D] -> [B, H, D]
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, N] @ b [..., N, O]. In a compiled step as products and sums: the compiler fuses
+    them with the page gathers before them into one loop, where a matrix product would be a
+    library call on gathered copies, slower than its arithmetic at a decode step's sizes."""
+    if torch.compiler.is_compiling():
+        return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
+    return torch.matmul(a, b)
 
 
 def _pages(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
