@@ -25,6 +25,14 @@ def _query_chunk(rows_per_query: int, tk: int, device: torch.device | None = Non
     return max(1, min(CPU_QUERY_CHUNK, SCORE_BUDGET // max(1, rows_per_query * tk)))
 
 
+def _seen_by_all(q_pos: torch.Tensor, keys: torch.Tensor) -> int:
+    """How many leading keys every query sees (none of them masked as its future): up to the
+    first position on the CPU, none on the GPU (where a host read would stall the stream)."""
+    if keys.is_cuda:
+        return 0
+    return min(keys.shape[0], int(q_pos.min()))
+
+
 def _keys_seen(q_pos: torch.Tensor, keys: torch.Tensor) -> int:
     """How many leading keys a chunk of queries can see: up to its last position on the CPU (a
     cheap host read there), all of them on the GPU (where a read would stall the stream)."""
@@ -34,17 +42,21 @@ def _keys_seen(q_pos: torch.Tensor, keys: torch.Tensor) -> int:
 
 
 def index_block_scores_ref(
-    iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int
+    iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int, own_block: bool = True
 ) -> torch.Tensor:
     """Block scores [K, T, N] fp32: max over visible keys j <= t of block b of iq[t, h] . ik[j].
 
-    iq [T, K, Di], ik [Tk, Di], q_pos [T]. Blocks with no visible key score -inf.
+    iq [T, K, Di], ik [Tk, Di], q_pos [T]. Blocks with no visible key score -inf. Without
+    `own_block`, the scores of each query's own and later blocks are left as they come (over
+    every key): for a selection that forces its own block and never takes a later one.
     """
     tk = ik.shape[0]
     n_blocks = -(-tk // block_size)
     s = torch.einsum("thd,jd->htj", iq.float(), ik.float())  # [K, T, Tk], a new tensor
-    future = torch.arange(tk, device=ik.device)[None, :] > q_pos[:, None]  # [T, Tk]
-    s.masked_fill_(future[None], float("-inf"))
+    if own_block:
+        lo = _seen_by_all(q_pos, ik)  # keys before it are no query's future
+        future = torch.arange(lo, tk, device=ik.device)[None, :] > q_pos[:, None]  # [T, Tk - lo]
+        s[..., lo:].masked_fill_(future[None], float("-inf"))
     if tk % block_size:
         s = torch.nn.functional.pad(s, (0, n_blocks * block_size - tk), value=float("-inf"))
     return s.unflatten(-1, (n_blocks, block_size)).amax(-1)  # [K, T, N]
@@ -66,13 +78,24 @@ def select_blocks_ref(
     forced = (ids[None, :] > qb - local) | (ids[None, :] < init)
     key = block_scores.float().masked_fill(forced[None], float("inf"))
     key = key.masked_fill(~visible[None], float("-inf"))  # [K, T, N]
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :topk]  # [K, T, k']
+    order = _top(key, topk)  # [K, T, k']
     valid = visible[None].expand_as(key).gather(-1, order)
     chosen = torch.where(valid, order, n_blocks).sort(dim=-1).values
     chosen = chosen.masked_fill(chosen == n_blocks, -1)
     if chosen.shape[-1] < topk:
         chosen = torch.nn.functional.pad(chosen, (0, topk - chosen.shape[-1]), value=-1)
     return chosen
+
+
+def _top(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest of fp32 x along its last dim, ties to the lower index: a stable
+    descending sort's first k, found by `topk` on int64 keys that order as the values and then
+    by index (a sort of every block costs several times more)."""
+    n = x.shape[-1]
+    bits = (x + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes 0.0, equal as floats
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # as ints, in the order of the floats
+    ids = torch.arange(n - 1, -1, -1, device=x.device)  # the lower index, the larger key
+    return (ordered.long() * n + ids).topk(min(k, n), dim=-1).indices
 
 
 def msa_select(
@@ -112,7 +135,10 @@ def msa_select_ref(
     out = []
     for s in range(0, iq.shape[0], step):
         pos = q_pos[s : s + step]
-        scores = index_block_scores_ref(iq[s : s + step], ik[: _keys_seen(pos, ik)], pos, block_size)
+        # With a local block the selection forces a query's own block: its score is not needed.
+        scores = index_block_scores_ref(
+            iq[s : s + step], ik[: _keys_seen(pos, ik)], pos, block_size, local == 0
+        )
         out.append(select_blocks_ref(scores, pos, block_size, topk, local, init))
     return torch.cat(out, dim=1)
 
@@ -188,6 +214,19 @@ def _block_keep(block_ids: torch.Tensor, tk: int, block_size: int) -> torch.Tens
     return keys.flatten(-2)[..., :tk]  # [K, Tc, Tk]
 
 
+def _block_bias(block_ids: torch.Tensor, tk: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new additive mask [K, Tc, Tk] from block ids [K, Tc, k]: 0 on the selected blocks' keys,
+    -inf elsewhere (`_block_keep` as the fused kernel takes it)."""
+    n_blocks = -(-tk // block_size)
+    safe = block_ids.masked_fill(block_ids < 0, n_blocks)
+    bias = torch.full(
+        (*block_ids.shape[:2], n_blocks + 1), float("-inf"), dtype=dtype, device=block_ids.device
+    )
+    bias.scatter_(-1, safe, 0.0)
+    keys = bias[..., :n_blocks, None].expand(*bias.shape[:2], n_blocks, block_size)
+    return keys.reshape(*bias.shape[:2], -1)[..., :tk]  # [K, Tc, Tk]
+
+
 # cuDNN's fused attention builds a plan on the host for each new shape (about 10 ms, inside a
 # serving step); flash and memory-efficient kernels take any length as a runtime argument.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -235,10 +274,15 @@ def _sdpa(qg, kg, vg, q_pos, scale, block_ids, block_size) -> torch.Tensor:
     for s in range(0, t_len, step):
         pos = q_pos[s : s + step]
         end = _keys_seen(pos, key_pos)  # the keys past the chunk's last query are masked: left out
-        keep = (key_pos[None, :end] <= pos[:, None])[None]  # [1, Tc, end]
-        if block_ids is not None:
-            keep = keep & _block_keep(block_ids[:, s : s + step], end, block_size)  # [K, Tc, end]
-        mask = keep.expand(n_kv, -1, -1)[:, None]  # [K, 1, Tc, end]
+        # An additive mask (0 or -inf), which the fused kernel reads as it is (a boolean one it
+        # converts first, at a cost of a third of the attention's own).
+        if block_ids is None:
+            bias = qg.new_zeros(1, pos.shape[0], end)
+        else:
+            bias = _block_bias(block_ids[:, s : s + step], end, block_size, qg.dtype)  # [K, Tc, end]
+        lo = _seen_by_all(pos, key_pos)  # only from there may a key be past a query
+        bias[..., lo:end].masked_fill_((key_pos[None, lo:end] > pos[:, None])[None], float("-inf"))
+        mask = bias.expand(n_kv, -1, -1)[:, None]  # [K, 1, Tc, end]
         kc, vc = kg[:, :, :end], vg[:, :, :end]
         out[:, :, s : s + step] = sdpa(qg[:, :, s : s + step], kc, vc, attn_mask=mask, scale=scale)
     return out

@@ -26,8 +26,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm_ref` with its normalisation as torch's one `rms_norm` op (the same arithmetic,
     fewer dispatches). `weight` [..., D] may hold a row per head of x [..., n, D]."""
-    y = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    return (y * (1.0 + weight.float())).to(x.dtype)
+    y = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, eps)  # a new tensor: scaled in place
+    return y.mul_(1.0 + weight.float()).to(x.dtype)
 
 
 def add_rms_norm(

@@ -57,12 +57,14 @@ def rope_rows(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torc
 
 
 def apply_rope_rows(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
-    """`apply_rope_ref` of fp32 x [T, n, D] in three products over whole heads (`rope_rows`):
-    x1 cos - x2 sin is x1 cos + x2 (-sin), and a finite pass-through channel x is x * 1 + x' * 0.
-    The two rotary halves swap as slices (a gather by channel costs ten times more)."""
+    """`apply_rope_ref` of fp32 x [T, n, D] by products over whole heads (`rope_rows`): x * c,
+    then each rotary half adds the other half's product with s (x1 cos - x2 sin is
+    x1 cos + x2 (-sin)); the pass-through channels are x * 1."""
     c, s, half = rows
-    swapped = torch.cat([x[..., half : 2 * half], x[..., :half], x[..., 2 * half :]], -1)
-    return x * c + swapped * s
+    out = x * c
+    out[..., :half].addcmul_(x[..., half : 2 * half], s[..., :half])
+    out[..., half : 2 * half].addcmul_(x[..., :half], s[..., half : 2 * half])
+    return out
 
 
 def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -277,6 +277,45 @@ def test_index_scores_pool_visible_keys_only():
     assert torch.isinf(scores[:, 3, 1]).all()
 
 
+@pytest.mark.parametrize("start", [0, 7, 13])
+def test_index_scores_after_cached_keys_are_each_querys_visible_maxima(start):
+    gen = torch.Generator().manual_seed(start)
+    tk, bs = 23, 4
+    iq, ik = torch.randn(tk - start, 2, 8, generator=gen), torch.randn(tk, 8, generator=gen)
+    pos = torch.arange(start, tk)
+    scores = index_block_scores_ref(iq, ik, pos, bs)  # [K, T, 6]
+    for t, p in enumerate(pos.tolist()):
+        for b in range(-(-tk // bs)):
+            keys = range(b * bs, min((b + 1) * bs, p + 1))
+            want = (iq[t] @ ik[list(keys)].T).amax(-1) if keys else torch.full((2,), float("-inf"))
+            torch.testing.assert_close(scores[:, t, b], want)
+
+
+@pytest.mark.parametrize("local", [0, 1, 2])
+def test_selection_needs_no_own_block_score_when_it_forces_that_block(local):
+    gen = torch.Generator().manual_seed(20 + local)
+    tk, start = 61, 17
+    iq, ik = torch.randn(tk - start, 2, 8, generator=gen), torch.randn(tk, 8, generator=gen)
+    pos = torch.arange(start, tk)
+    whole = select_blocks_ref(index_block_scores_ref(iq, ik, pos, 4), pos, 4, 3, local, 1)
+    assert torch.equal(msa_select_ref(iq, ik, pos, 4, 3, local, 1), whole)
+
+
+def test_block_choice_is_a_stable_sorts_first_k():
+    """Ties (equal scores, several forced or invisible blocks, -0.0 against 0.0) go to the lower
+    block id, as a stable descending sort puts them."""
+    from m3lm.kernels.msa import _top
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 50, 20, generator=gen).round(decimals=1)  # many equal values
+    x[0, :, ::3] = float("inf")
+    x[1, :, 5:] = float("-inf")
+    x[2, :, 1], x[2, :, 2] = -0.0, 0.0
+    for k in (1, 4, 8, 20, 25):
+        want = torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+        assert torch.equal(_top(x, k), want)
+
+
 def test_indexer_degenerates_to_dense_attention():
     """With a top-k covering every block, MSA attention equals dense causal attention."""
     gen = torch.Generator().manual_seed(0)
