@@ -296,6 +296,13 @@ def _random_mxfp8_(q: torch.Tensor, scale: torch.Tensor, std: float, gen: torch.
         q2[i : i + step], s2[i : i + step] = quantize_mxfp8(w.normal_(0.0, std, generator=gen))
 
 
+def allocate(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """`model.to_empty(device=device)`: a model made on the meta device given uninitialised
+    storage, each tensor by `torch.empty_strided` (`to_empty`'s `empty_like` of a meta tensor
+    first imports torch's symbolic-shape machinery, a quarter of a second at every start)."""
+    return model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
+
+
 def load_model(
     path: str | Path,
     device: torch.device | str | None = None,
@@ -333,13 +340,13 @@ def load_model(
         model = MiniMaxM3(args, dtype=dt, quant=quant)
         local = MiniMaxM3(args, dtype=dt, quant=quant, parallel=parallel) if parallel.world > 1 else model
     if load_format == "dummy":
-        model = random_weights_(local.to_empty(device=dev))
+        model = random_weights_(allocate(local, dev))
     else:
         sources = plan(files, args, model)  # a bad checkpoint fails here, before anything is allocated
         shards = None
         if parallel.world > 1:  # the full model's parameters (8-bit scales included) -> this rank's slice
             shards = {n: param_shard(n, tuple(p.shape), args, parallel) for n, p in model.named_parameters()}
-        model = local.to_empty(device=dev)
+        model = allocate(local, dev)
         stream_weights(model, sources, progress, shards)
     sizes = weight_bytes(model)
     log.info(

@@ -252,3 +252,31 @@ def test_index_with_non_string_file_is_refused(tmp_path, release_tensors):
     index.write_text(json.dumps({"weight_map": {"x": 5}}))
     with pytest.raises(CheckpointError, match="'weight_map' must map tensor names to file names"):
         m3lm.load(path, device="cpu")
+
+
+def test_allocation_matches_to_empty_and_a_load_leaves_sympy_unimported():
+    """`allocate` gives what `to_empty` gives (kinds, shapes, strides, dtypes, devices); loading
+    the embedded model through it never imports torch's symbolic-shape machinery (sympy), a
+    quarter of a second of every start."""
+    import subprocess
+    import sys
+
+    from m3lm.config import ModelArgs
+    from m3lm.loader import allocate
+    from m3lm.models.minimax_m3 import MiniMaxM3
+
+    args = ModelArgs.from_file(m3lm.assets.DEFAULT_MODEL / "config.json")
+    with torch.device("meta"):
+        a, b = MiniMaxM3(args, dtype=torch.float32), MiniMaxM3(args, dtype=torch.float32, quant="mxfp8")
+    for model in (a, b):
+        want = {
+            n: (type(t), t.shape, t.stride(), t.dtype) for n, t in model.state_dict(keep_vars=True).items()
+        }
+        got = allocate(model, "cpu").state_dict(keep_vars=True)
+        assert {n: (type(t), t.shape, t.stride(), t.dtype) for n, t in got.items()} == want
+        assert all(t.device.type == "cpu" for t in got.values())
+    code = (
+        "import sys, m3lm; m3lm.load(m3lm.assets.DEFAULT_MODEL, device='cpu'); print('sympy' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]
