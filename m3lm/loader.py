@@ -299,7 +299,7 @@ def _random_mxfp8_(q: torch.Tensor, scale: torch.Tensor, std: float, gen: torch.
 def allocate(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
     """`model.to_empty(device=device)`: a model made on the meta device given uninitialised
     storage, each tensor by `torch.empty_strided` (`to_empty`'s `empty_like` of a meta tensor
-    first imports torch's symbolic-shape machinery, a quarter of a second at every start)."""
+    first imports torch's symbolic-shape machinery and sympy, at every start)."""
     return model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
 
 

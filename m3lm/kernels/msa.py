@@ -275,7 +275,7 @@ def _sdpa(qg, kg, vg, q_pos, scale, block_ids, block_size) -> torch.Tensor:
         pos = q_pos[s : s + step]
         end = _keys_seen(pos, key_pos)  # the keys past the chunk's last query are masked: left out
         # An additive mask (0 or -inf), which the fused kernel reads as it is (a boolean one it
-        # converts first, at a cost of a third of the attention's own).
+        # converts first).
         if block_ids is None:
             bias = qg.new_zeros(1, pos.shape[0], end)
         else:
