@@ -205,26 +205,24 @@ def msa_attention_ref(
 
 def _block_keep(block_ids: torch.Tensor, tk: int, block_size: int) -> torch.Tensor:
     """Key mask [K, Tc, Tk] from block ids [K, Tc, k]."""
-    n_blocks = -(-tk // block_size)
-    safe = block_ids.masked_fill(block_ids < 0, n_blocks)
-    mask = torch.zeros(*block_ids.shape[:2], n_blocks + 1, dtype=torch.bool, device=block_ids.device)
-    mask.scatter_(-1, safe, True)
-    # Each block's flag repeated over its keys (one copy, not a gather by key).
-    keys = mask[..., :n_blocks, None].expand(*mask.shape[:2], n_blocks, block_size)
-    return keys.flatten(-2)[..., :tk]  # [K, Tc, Tk]
+    return _by_block(block_ids, tk, block_size, True, False, torch.bool)
 
 
 def _block_bias(block_ids: torch.Tensor, tk: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """A new additive mask [K, Tc, Tk] from block ids [K, Tc, k]: 0 on the selected blocks' keys,
-    -inf elsewhere (`_block_keep` as the fused kernel takes it)."""
+    """`_block_keep` as an additive mask (0 or -inf), as the fused kernel takes it."""
+    return _by_block(block_ids, tk, block_size, 0.0, float("-inf"), dtype)
+
+
+def _by_block(block_ids: torch.Tensor, tk: int, block_size: int, selected, other, dtype) -> torch.Tensor:
+    """A new [K, Tc, Tk] from block ids [K, Tc, k] (-1 = unused): `selected` on the keys of each
+    query's selected blocks, `other` elsewhere."""
     n_blocks = -(-tk // block_size)
-    safe = block_ids.masked_fill(block_ids < 0, n_blocks)
-    bias = torch.full(
-        (*block_ids.shape[:2], n_blocks + 1), float("-inf"), dtype=dtype, device=block_ids.device
-    )
-    bias.scatter_(-1, safe, 0.0)
-    keys = bias[..., :n_blocks, None].expand(*bias.shape[:2], n_blocks, block_size)
-    return keys.reshape(*bias.shape[:2], -1)[..., :tk]  # [K, Tc, Tk]
+    safe = block_ids.masked_fill(block_ids < 0, n_blocks)  # unused slots: a spare block
+    per_block = torch.full((*block_ids.shape[:2], n_blocks + 1), other, dtype=dtype, device=block_ids.device)
+    per_block.scatter_(-1, safe, selected)
+    # Each block's value repeated over its keys (one copy, not a gather by key).
+    keys = per_block[..., :n_blocks, None].expand(*per_block.shape[:2], n_blocks, block_size)
+    return keys.reshape(*per_block.shape[:2], -1)[..., :tk]  # [K, Tc, Tk]
 
 
 # cuDNN's fused attention builds a plan on the host for each new shape (about 10 ms, inside a
