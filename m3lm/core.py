@@ -80,6 +80,10 @@ class DecodeBatch:
 
     positions [B] long: the new token's position; lens [B] int32 = positions + 1; tables
     [B, MAXP] int32: each sequence's pages; pages/slots [B]: where the new token's keys go.
+    A sequence that verifies drafts is several rows at consecutive positions over the same
+    table: each row attends to the keys up to its own, written in the same step before any row
+    reads them, and selects its own MSA blocks, exactly as one decode step per position would.
+    `capture` as in `ForwardBatch`.
     """
 
     positions: torch.Tensor
@@ -88,6 +92,7 @@ class DecodeBatch:
     pages: torch.Tensor
     slots: torch.Tensor
     cache: object  # KVCache
+    capture: dict[int, torch.Tensor | None] | None = None
     _rope: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def rope(self, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,11 +104,14 @@ class DecodeBatch:
         return _rope_rows(self._rope, self.positions, rotary_dim, theta, head_dim)
 
     @classmethod
-    def build(cls, positions: torch.Tensor, tables: torch.Tensor, cache, page_size: int) -> DecodeBatch:
+    def build(
+        cls, positions: torch.Tensor, tables: torch.Tensor, cache, page_size: int, capture=None
+    ) -> DecodeBatch:
         import torch
 
         pages = tables.gather(1, (positions // page_size)[:, None])[:, 0].long()
-        return cls(positions, (positions + 1).to(torch.int32), tables, pages, positions % page_size, cache)
+        lens = (positions + 1).to(torch.int32)
+        return cls(positions, lens, tables, pages, positions % page_size, cache, capture)
 
 
 def _rope_table(tables: dict, positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple:

@@ -158,6 +158,11 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None  # [B, k]
 
 
+def reads_history(p: SamplingParams) -> bool:
+    """Whether a row's processing reads its prompt and output ids (a penalty is set)."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def _token_tensors(
     rows: Sequence[Sequence[int]], V: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,10 +224,7 @@ class Sampler:
             return torch.tensor(values, dtype=dtype, device=dev)  # [B]
 
         x = apply_logit_bias(logits.float(), [p.logit_bias for p in params])
-        if any(
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            for p in params
-        ):
+        if any(map(reads_history, params)):
             prompt_mask, _ = _token_tensors(prompt_ids, V, dev)
             _, counts = _token_tensors(output_ids, V, dev)
             x = apply_penalties(

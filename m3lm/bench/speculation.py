@@ -1,16 +1,17 @@
 """`m3lm bench --verify` and `--drafter`: what speculative decoding costs at the release's
 dimensions, and what it gives the 60-layer model.
 
-verify: the engine's verification forward (`runner.forward_step` of a step in which every
-sequence computes k + 1 positions, its last token and k drafts, each selecting its own MSA
-blocks) over a paged cache filled to the context, run eagerly as the engine runs it; with the
-step's parts as the decode case has them (`step_parts`), so that the 60-layer verify step can
-be projected as the decode step is.
+verify: the engine's verification step, in which every sequence computes k + 1 positions (its
+last token and k drafts) as rows of one position over its table, each row selecting its own MSA
+blocks: on a GPU the replay of its captured decode graph; with the step's parts as the decode
+case has them (`step_parts`), so that the 60-layer verify step can be projected as the decode
+step is, and the routed experts a MoE layer reads for its rows.
 
 drafter: a randomly initialised EAGLE-3 drafter at the published shapes (`drafter_config`, built
-on the device without a checkpoint), timed as the engine drafts: `EagleDrafter.draft` for each of
-the B sequences in turn, taking in the k + 1 positions of a step that accepted every draft and
-then drafting k tokens; with its parts (the fc over the three captured states, one draft step).
+on the device without a checkpoint), timed as the engine drafts after a step of decodes
+(`EagleDrafter.draft_rows`: every sequence at once, the k + 1 positions of a step that accepted
+every draft taken in, then k drafts; on a GPU one graph replay); with its parts (the fc over the
+captured states, one draft step).
 
 projection: a step with speculation emits L tokens a sequence on average (the mean acceptance
 length) for the drafting and one verify step; plain decoding emits one for one decode step.
@@ -25,12 +26,12 @@ import torch
 
 from m3lm.bench.report import Row, active_params, kv_bytes, parts_line, projection_ms, weights_bytes
 from m3lm.bench.slice import RELEASE_DENSE, RELEASE_SPARSE, fill_cache, step_parts
+from m3lm.bench.timing import graph_ms
 from m3lm.cache import kv_cache
-from m3lm.core import SamplingParams
 from m3lm.distributed.steps import Step
+from m3lm.engine.cuda_graphs import DecodeGraphs
+from m3lm.engine.drafter import DraftGraphs, DraftRows, EagleDrafter
 from m3lm.engine.runner import forward_step, step_inputs
-from m3lm.engine.sequence import Sequence
-from m3lm.engine.speculation import EagleDrafter
 from m3lm.loader import random_weights_
 from m3lm.models.minimax_m3 import MiniMaxM3
 from m3lm.speculative.eagle import Eagle3, EagleArgs, published_config
@@ -45,9 +46,10 @@ def verify_inputs(
     model: MiniMaxM3, batch: int, ctx: int, k: int, seed: int = 1
 ) -> tuple[kv_cache.KVCache, Step]:
     """A paged cache filled with noise and the verification step of `batch` sequences at context
-    ctx: each computes positions ctx - 1 .. ctx + k - 1 (its last token and k drafts, random ids),
-    every logits row kept. The pages are handed out in a shuffled order, as a server's pool has
-    them after a while (so keys are gathered, not read through views)."""
+    ctx as the engine runs it: each sequence's positions ctx - 1 .. ctx + k - 1 (its last token
+    and k drafts, random ids) are rows of one position over its table, every logits row kept.
+    The pages are handed out in a shuffled order, as a server's pool has them after a while (so
+    keys are gathered, not read through views); the last page is the spare one."""
     a, w = model.args, model.lm_head.weight
     pages = -(-(ctx + k) // a.index_block_size)
     cache = kv_cache.KVCache(a, batch * pages + 1, w.device, w.dtype)  # + the spare last page of decode rows
@@ -57,22 +59,40 @@ def verify_inputs(
     tables = [order[i * pages : (i + 1) * pages] for i in range(batch)]
     n = batch * (k + 1)
     tokens = torch.randint(0, a.vocab_size, (n,), generator=host).tolist()
-    return cache, Step(tokens, [k + 1] * batch, [ctx - 1] * batch, list(range(n)), tables)
+    starts = [ctx - 1 + i for _ in range(batch) for i in range(k + 1)]
+    rows = [t for t in tables for _ in range(k + 1)]
+    return cache, Step(tokens, [1] * n, starts, list(range(n)), rows)
 
 
 @torch.inference_mode()
 def bench_verify(model: MiniMaxM3, batch: int, ctx: int, k: int, iters: int, timer) -> Row:
-    """The engine's verification step (`forward_step`, the dense window off as by default) of
-    `batch` sequences x k + 1 positions at context ctx, and its parts (`step_parts`)."""
+    """The engine's verification step of `batch` sequences x k + 1 positions at context ctx (on a
+    GPU the replay of its captured graph, `DecodeGraphs`; else `forward_step`), and its parts
+    (`step_parts`, on a GPU each part a graph of its own, as the decode case's)."""
     cache, step = verify_inputs(model, batch, ctx, k)
-    ms = timer(lambda: forward_step(model, cache, step, None), iters)
-    tokens, fb, _ = step_inputs(model, cache, step, None)
-    parts = step_parts(model, tokens, fb, timer, iters)
     n = batch * (k + 1)
+    tokens, fb, _ = step_inputs(model, cache, step, None)
+    if tokens.is_cuda:
+        graphs = DecodeGraphs(model, cache, n, len(step.tables[0]), cache.num_pages - 1)
+        graphs.run(step.tokens, step.starts, step.tables)
+        ms = timer(graphs._graphs[graphs.bucket(n)][0].replay, iters)
+        del graphs
+        fb.decode.rope(model.args.rotary_dim, model.args.rope_theta)  # made once outside the graphs
+        parts = step_parts(model, tokens, fb.decode, graph_ms, iters)
+    else:
+        ms = timer(lambda: forward_step(model, cache, step, None), iters)
+        parts = step_parts(model, tokens, fb, timer, iters)
     floor = weights_bytes(model, n) + kv_bytes(model, batch, ctx + k)
     return Row(
         f"verify B={batch} x {k + 1} ctx={ctx}", ms, n, floor, 2 * active_params(model) * n, parts=parts
     )
+
+
+def experts_read(model: MiniMaxM3, tokens: int) -> float:
+    """Routed experts a MoE layer is expected to read for `tokens` tokens routed at random (what
+    `weights_bytes` counts)."""
+    a = model.args
+    return a.num_local_experts * (1 - (1 - a.num_experts_per_tok / a.num_local_experts) ** tokens)
 
 
 def drafter_config(target, kv_heads: int) -> dict:
@@ -115,39 +135,49 @@ def drafter_sizes(head: Eagle3) -> tuple[int, int, int]:
 
 @torch.inference_mode()
 def bench_draft(model: MiniMaxM3, head: Eagle3, batch: int, ctx: int, k: int, iters: int, timer) -> Row:
-    """The engine's drafting of `batch` sequences at context ctx (`EagleDrafter.draft` for each
-    in turn: the k + 1 positions ctx - 1 .. ctx + k - 1 taken in from their captured target
-    states, then k drafts), with parts: the fc over the captured states of those positions, and
-    one draft step at one position (layer, lm_head, argmax)."""
+    """The engine's drafting of `batch` sequences at context ctx after a step that accepted every
+    draft (`EagleDrafter.draft_rows`: the k + 1 positions ctx - 1 .. ctx + k - 1 taken in from
+    their captured target states, then k drafts, every sequence at once; on a GPU the replay of
+    its captured graph, `DraftGraphs`), with parts: the fc over the captured states of those
+    positions, and one draft step at one position of each sequence (layer, lm_head, argmax)."""
     t, a, w = model.args, head.args, head.fc.weight
     s = t.index_block_size
-    pages = -(-(ctx + k + 1) // s)
-    drafter = EagleDrafter(head, batch * pages, s, w.device)
+    pages = -(-(ctx + 2 * k) // s)
+    drafter = EagleDrafter(head, batch * pages + 1, s, w.device)
     gen = torch.Generator(device=w.device).manual_seed(2)
     drafter.k.normal_(generator=gen)
     drafter.v.normal_(generator=gen)
     host = torch.Generator().manual_seed(2)
-    start, cached = ctx - 1, ctx + k
-    seqs = [
-        Sequence(i, str(i), torch.randint(0, t.vocab_size, (cached + 1,), generator=host).tolist(),
-                 SamplingParams(), max_tokens=1 << 20, num_cached=cached)
-        for i in range(batch)
-    ]  # fmt: skip
+    start = ctx - 1
     tables = [list(range(i * pages, (i + 1) * pages)) for i in range(batch)]
-    hidden = torch.randn(k + 1, 3 * a.target_hidden_size, device=w.device, generator=gen).to(w.dtype)
-
-    def draft_all():
-        for seq, table in zip(seqs, tables, strict=True):
-            drafter.draft(seq, table, hidden, start, k)
-
-    ms = timer(draft_all, iters)
-    feat = head.features(hidden)[-1:]
-    token = torch.zeros(1, dtype=torch.long, device=w.device)
-    pos = torch.tensor([cached], device=w.device)
-    past = (kv_cache.rows(drafter.k, tables[0], cached), kv_cache.rows(drafter.v, tables[0], cached))
+    hidden = torch.randn(batch * (k + 1), 3 * a.target_hidden_size, device=w.device, generator=gen).to(
+        w.dtype
+    )
+    rows = [
+        DraftRows(
+            table,
+            start,
+            torch.randint(0, t.vocab_size, (k + 1,), generator=host).tolist(),
+            b * (k + 1),
+            k + 1,
+        )
+        for b, table in enumerate(tables)
+    ]
+    if w.is_cuda:
+        drafter.graphs = DraftGraphs(drafter, batch, pages, k)
+        drafter.graphs.capture(batch)
+    ms = timer(lambda: drafter.draft_rows(rows, hidden, k), iters)
+    feat = head.features(hidden)[: batch * (k + 1) : k + 1]  # [B, C]
+    token = torch.zeros(batch, dtype=torch.long, device=w.device)
+    pos = torch.full((batch,), ctx + k, device=w.device)
+    tabs = torch.tensor(tables, dtype=torch.int32, device=w.device)
+    keep = torch.ones(batch, dtype=torch.bool, device=w.device)
+    part_timer = graph_ms if w.is_cuda else timer
     parts = {
-        "fc": timer(lambda: head.features(hidden), iters),
-        "step": timer(lambda: head.logits(head.step(token, feat, pos, past)[1]).argmax(-1), iters),
+        "fc": part_timer(lambda: head.features(hidden), iters),
+        "step": part_timer(
+            lambda: head.logits(drafter.paged_step(token, feat, pos, tabs, keep)[1]).argmax(-1), iters
+        ),
     }
     fc, layer, lm_head = drafter_sizes(head)
     elem = w.element_size()
@@ -162,10 +192,10 @@ def draft_line(row: Row, batch: int, k: int) -> str:
     p = row.parts
     return (
         f"{row.case}: {row.ms:.3f} ms for the {batch} sequences, {row.ms / batch:.3f} ms a sequence, "
-        f"{row.ms / (batch * k):.3f} ms a drafted token (the engine drafts each sequence in turn, "
-        f"taking in the k + 1 positions of a step that accepted every draft); fc over the 3 captured "
-        f"states of k + 1 positions {p['fc']:.3f} ms; one draft step at one position (layer, "
-        f"lm_head, argmax) {p['step']:.3f} ms"
+        f"{row.ms / (batch * k):.3f} ms a drafted token, {row.ms / k:.3f} ms a draft position (every "
+        f"sequence at once: the k + 1 positions of a step that accepted every draft taken in, then "
+        f"k drafts); fc over the 3 captured states of k + 1 positions a sequence {p['fc']:.3f} ms; "
+        f"one draft step at one position a sequence (layer, lm_head, argmax) {p['step']:.3f} ms"
     )
 
 
@@ -234,6 +264,10 @@ def verify_cases(model: MiniMaxM3, args, decode_parts: dict, drafts: dict, tag: 
             (f"the {kv}-KV-head drafter", ms) for (kv, db, dc), ms in drafts.items() if (db, dc) == (b, ctx)
         ]
         case = f"B={b} ctx={ctx} k={k}{tag}"
+        notes.append(
+            f"{row.case}: a MoE layer reads {experts_read(model, b * (k + 1)):.1f} routed experts for the "
+            f"{b * (k + 1)} rows (a decode step of B={b}: {experts_read(model, b):.1f}), and the shared one"
+        )
         notes += [projection_line(case, b, args.acceptance, decode_ms, verify_ms, w) for w in ways]
-        print("\n".join(notes[-1 - len(ways) :]), flush=True)
+        print("\n".join(notes[-2 - len(ways) :]), flush=True)
     return rows, notes

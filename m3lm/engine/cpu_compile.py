@@ -34,7 +34,8 @@ RECOMPILE_LIMIT = 64
 
 
 class CompiledDecode:
-    """`run(tokens, positions, tables)` -> fp32 logits [B, V] of one new token per sequence.
+    """`run(tokens, positions, tables)` -> (fp32 logits [B, V] of one new token per row, None: it
+    captures no drafter states, `capture` is empty), as `DecodeGraphs.run`.
 
     Block tables are padded (with the spare page) wider than a selection's top-k blocks (when a
     sequence's `max_pages` exceed it; else to `max_pages`), at least two pages, so that every
@@ -42,6 +43,7 @@ class CompiledDecode:
 
     def __init__(self, model: MiniMaxM3, cache: KVCache, max_batch: int, spare_page: int, max_pages: int):
         self.model, self.cache, self.spare, self.max_batch = model, cache, spare_page, max_batch
+        self.capture: tuple[int, ...] = ()
         topk = model.args.index_topk_blocks
         wide = (topk + 1 if max_pages > topk else max_pages) if any(model.args.sparse_layers) else 2
         self.min_width = max(2, wide)
@@ -72,7 +74,12 @@ class CompiledDecode:
         return [b for b in new if b in self._compiled_shapes]
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def run(
+        self, tokens: list[int], positions: list[int], tables: list[list[int]]
+    ) -> tuple[torch.Tensor, None]:
+        return self._logits(tokens, positions, tables), None
+
+    def _logits(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         n = len(tokens)
         width = max(self.min_width, *map(len, tables))
         host = np.full((n, width), self.spare, dtype=np.int32)

@@ -4,7 +4,10 @@ A decode step (one new token for each of B sequences: `MiniMaxM3.forward_batch` 
 `DecodeBatch`) has static shapes on the GPU, so it is captured once per bucket (1, 2, 4, ..., max)
 and replayed: the step costs one graph launch instead of hundreds of kernel launches. Inputs are
 copied into static buffers from pinned host memory; rows past B point at a spare page the block
-manager never hands out.
+manager never hands out. A verification step is such a step too: a sequence's last token and its
+drafts are rows at consecutive positions over its one table (`DecodeBatch`). With `capture` (the
+layers an EAGLE-3 drafter reads) each graph also writes the residual stream entering those layers
+[B, len(capture) * C] into a static buffer.
 """
 
 from __future__ import annotations
@@ -19,8 +22,16 @@ from m3lm.models.minimax_m3 import MiniMaxM3
 
 
 class DecodeGraphs:
-    def __init__(self, model: MiniMaxM3, cache: KVCache, max_batch: int, max_pages: int, spare_page: int):
-        self.model, self.cache = model, cache
+    def __init__(
+        self,
+        model: MiniMaxM3,
+        cache: KVCache,
+        max_batch: int,
+        max_pages: int,
+        spare_page: int,
+        capture: tuple[int, ...] = (),
+    ):
+        self.model, self.cache, self.capture = model, cache, capture
         self.page_size = cache.page_size
         self.buckets = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
         dev = model.lm_head.weight.device
@@ -29,12 +40,14 @@ class DecodeGraphs:
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.tables = torch.full((max_batch, max_pages), spare_page, dtype=torch.int32, device=dev)
         self._host = torch.empty(max_batch, 2 + max_pages, dtype=torch.int64, pin_memory=True)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
-    def _step(self, b: int) -> torch.Tensor:
-        dec = DecodeBatch.build(self.positions[:b], self.tables[:b], self.cache, self.page_size)
-        return self.model.forward_batch(self.tokens[:b], dec)
+    def _step(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        capture = dict.fromkeys(self.capture) if self.capture else None
+        dec = DecodeBatch.build(self.positions[:b], self.tables[:b], self.cache, self.page_size, capture)
+        logits = self.model.forward_batch(self.tokens[:b], dec)  # [b, V]
+        return logits, torch.cat([capture[i] for i in self.capture], -1) if capture else None
 
     @torch.inference_mode()
     def capture(self, b: int) -> None:
@@ -46,8 +59,8 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._step(b)
-        self._graphs[b] = (graph, out)
+            out, hidden = self._step(b)
+        self._graphs[b] = (graph, out, hidden)
 
     def capture_all(self, each: Callable[[int], None] | None = None) -> list[int]:
         """Capture every bucket not captured yet (the warm-up does, so that no request waits for a
@@ -63,8 +76,11 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """fp32 logits [B, V] for one new token per sequence (B <= max_batch)."""
+    def run(
+        self, tokens: list[int], positions: list[int], tables: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 logits [B, V] for one new token per row (B <= max_batch), and the captured states
+        [B, len(capture) * C] (None without `capture`)."""
         n = len(tokens)
         b = self.bucket(n)
         if b not in self._graphs:
@@ -78,6 +94,6 @@ class DecodeGraphs:
         self.tokens[:b].copy_(staged[:, 0])
         self.positions[:b].copy_(staged[:, 1])
         self.tables[:b].copy_(staged[:, 2:])
-        graph, out = self._graphs[b]
+        graph, out, hidden = self._graphs[b]
         graph.replay()
-        return out[:n]
+        return out[:n], None if hidden is None else hidden[:n]

@@ -24,10 +24,11 @@ from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams, StepOutput, TokenLogprob, validate_request
 from m3lm.distributed import steps
 from m3lm.engine.constraints import Constraint, Grammars, mask_logits
+from m3lm.engine.drafter import EagleDrafter
 from m3lm.engine.memory import peak_activation_bytes, profile_batches
 from m3lm.engine.runner import ModelRunner
 from m3lm.engine.sequence import Sequence
-from m3lm.engine.speculation import EagleDrafter, Speculator, rollback
+from m3lm.engine.speculation import Speculator, rollback
 from m3lm.errors import ConfigError
 from m3lm.layers.linear import weight_bytes
 from m3lm.models.minimax_m3 import MiniMaxM3
@@ -36,6 +37,7 @@ from m3lm.scheduler import Scheduler
 
 log = logging.getLogger("m3lm.engine")
 GIB = 1 << 30
+MAX_GRAPH_ROWS = 256  # rows of the largest decode graph; a larger step runs eagerly
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,11 @@ class LLMEngine:
         )
         head = self._load_drafter()  # before the pool is sized: its weights count among the weights
         extra = EagleDrafter.bytes_per_page(head, args.index_block_size) if head is not None else 0
-        pool = self._plan_pool(use_graphs, extra)
+        spec = config.speculative_config
+        # a decode row per position: with speculation a sequence verifies 1 + k of them a step
+        decode_rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        graph_rows = min(decode_rows, MAX_GRAPH_ROWS)
+        pool = self._plan_pool(graph_rows if use_graphs else 0, extra)
         self.max_model_len, num_pages, page = pool.max_model_len, pool.pages, args.index_block_size
         kv_heads = model.model.layers[0].self_attn.n_kv  # this rank's, under tensor parallelism
         # One spare page beyond the block manager's: padding rows of graph-captured steps write there.
@@ -116,7 +122,8 @@ class LLMEngine:
         if use_graphs:
             from m3lm.engine.cuda_graphs import DecodeGraphs
 
-            graphs = DecodeGraphs(model, self.cache, min(config.max_num_seqs, 256), max_pages, num_pages)
+            capture = head.args.layer_ids if head is not None else ()
+            graphs = DecodeGraphs(model, self.cache, graph_rows, max_pages, num_pages, capture)
         elif (
             config.cpu_compile
             and self.device.type == "cpu"
@@ -125,9 +132,9 @@ class LLMEngine:
         ):
             from m3lm.engine.cpu_compile import CompiledDecode
 
-            graphs = CompiledDecode(model, self.cache, config.max_num_seqs, num_pages, max_pages)
+            graphs = CompiledDecode(model, self.cache, decode_rows, num_pages, max_pages)
         self.runner = ModelRunner(model, self.cache, config.msa_dense_window, graphs, max_pages)
-        self.speculator = self._speculator(head, num_pages + 1)
+        self.speculator = self._speculator(head, num_pages + 1, max_pages if use_graphs else 0)
         self.sampler = Sampler()
         self.eos_ids = eos_ids_of(tokenizer, self.generation_config, eos_ids)
         source = (lambda: tokenizer) if tokenizer is not None else grammar_tokenizer
@@ -147,9 +154,10 @@ class LLMEngine:
 
         return load_eagle3(spec.model, self.model, self.model.lm_head.weight.dtype, self.device)
 
-    def _speculator(self, head, num_pages: int) -> Speculator | None:
+    def _speculator(self, head, num_pages: int, graph_pages: int) -> Speculator | None:
         """The speculative decoding of `EngineConfig.speculative_config`: with an EAGLE-3 `head`,
-        its key/value pool of `num_pages` pages, and the runner capturing the layers it reads."""
+        its key/value pool of `num_pages` pages, and the runner capturing the layers it reads;
+        with `graph_pages` (tables of that width) its drafting replayed from CUDA graphs."""
         spec = self.config.speculative_config
         if spec is None:
             return None
@@ -157,12 +165,18 @@ class LLMEngine:
         if head is not None:
             drafter = EagleDrafter(head, num_pages, self.model.args.index_block_size, self.device)
             self.runner.capture = head.args.layer_ids
+            if graph_pages:
+                from m3lm.engine.drafter import DraftGraphs
+
+                batch = min(self.config.max_num_seqs, MAX_GRAPH_ROWS)
+                drafter.graphs = DraftGraphs(drafter, batch, graph_pages, spec.num_speculative_tokens)
         return Speculator(spec, drafter)
 
-    def _plan_pool(self, use_graphs: bool, drafter_bytes_per_page: int = 0) -> PoolPlan:
+    def _plan_pool(self, graph_rows: int, drafter_bytes_per_page: int = 0) -> PoolPlan:
         """Size the KV pool (`plan_pool`); on a GPU sized from its memory, after measuring the
-        peak activation of the largest step. A drafter's pool has as many pages as the model's,
-        so its bytes per page count in each page's. Sets `self.info`."""
+        peak activation of the largest step and keeping back what decode graphs of up to
+        `graph_rows` rows (0: none) need. A drafter's pool has as many pages as the model's, so
+        its bytes per page count in each page's. Sets `self.info`."""
         model, config = self.model, self.config
         args, weight = model.args, model.lm_head.weight
         kv_heads = model.model.layers[0].self_attn.n_kv
@@ -173,7 +187,7 @@ class LLMEngine:
             longest = min(config.max_model_len or max_pos, max_pos)
             batches = profile_batches(config.max_num_batched_tokens, config.max_num_seqs, longest)
             peak = peak_activation_bytes(model, batches, config.index_cache_fp8, config.msa_dense_window)
-            reserve = graph_reserve(min(config.max_num_seqs, 256), args.vocab_size) if use_graphs else 0
+            reserve = graph_reserve(graph_rows, args.vocab_size) if graph_rows else 0
             figures = {
                 "total_bytes": torch.cuda.get_device_properties(self.device).total_memory,
                 "utilization": config.gpu_memory_utilization,

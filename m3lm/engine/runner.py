@@ -31,9 +31,14 @@ class ModelRunner:
         self.graphs = graphs  # DecodeGraphs on a GPU
         self.table_width = table_width
         self.device = model.lm_head.weight.device
+        # a sequence's drafts verified as rows of one position (the decode graphs' batch), not as
+        # one chunk of queries: where graphs replay them, on a GPU
+        self.verify_rows = graphs is not None and self.device.type == "cuda"
         self.capture: tuple[int, ...] = ()  # layers whose inputs a drafter reads (`forward_batch`)
         self.hidden: torch.Tensor | None = None  # the last run's captured states [T, len(capture) * C]
-        self.spans: dict[int, tuple[int, int]] = {}  # seq_id -> (its first row in them, its first position)
+        # seq_id -> (its first row in them, its first position, its rows): of the last run
+        self.spans: dict[int, tuple[int, int, int]] = {}
+        self.decoded = False  # whether every sequence of the last run decoded (a row a position)
 
     @torch.inference_mode()
     def run(
@@ -43,54 +48,58 @@ class ModelRunner:
         among them); returns the sequences that reached their last known token (they sample
         next), the fp32 logits [R + P, V] of their last known position and draft positions
         (1 + len(draft_ids) rows each) and then of the P prompt positions that score a prompt
-        token, and which sequence and positions those P rows are (`Sequence.prompt_rows`)."""
-        decode_only = all(n == 1 and s.num_cached == s.num_tokens - 1 for s, n in plan)
-        if (
-            self.graphs is not None
-            and not self.capture
-            and decode_only
-            and len(plan) <= self.graphs.max_batch
-        ):
-            return (*self._decode(plan, tables), [])
-        # Single new tokens lead, so that the forward attends to them in one batch.
-        order = sorted(range(len(plan)), key=lambda i: plan[i][1] != 1)
-        plan, tables = [plan[i] for i in order], [tables[i] for i in order]
-        tokens, q_lens, starts, rows, ready, scored, scored_rows = [], [], [], [], [], [], []
+        token, and which sequence and positions those P rows are (`Sequence.prompt_rows`).
+
+        A sequence that decodes is one row (its last known token), and with `verify_rows` one
+        row a position with its drafts; such rows lead, so that the forward attends to them as
+        one batch (`DecodeBatch`), and a step of nothing else replays a captured graph
+        (`DecodeGraphs`). Without `verify_rows` a sequence's drafts are a chunk of queries after
+        its last token, as in chunked prefill (faster on the CPU's eager ops)."""
+        decoding = [_decodes(s, n) and (n == 1 or self.verify_rows) for s, n in plan]
+        order = sorted(range(len(plan)), key=lambda i: not decoding[i])
+        plan, tables, decoding = ([x[i] for i in order] for x in (plan, tables, decoding))
+        tokens, q_lens, starts, rows, ready, scored, scored_rows, row_tables = [], [], [], [], [], [], [], []
         offset, self.spans = 0, {}
-        for seq, n in plan:
+        for (seq, n), table, as_rows in zip(plan, tables, decoding, strict=True):
             start = seq.num_cached
-            self.spans[seq.seq_id] = (offset, start)
+            self.spans[seq.seq_id] = (offset, start, n)
             known = min(n, seq.num_tokens - start)  # the rest are drafts to verify
             tokens.extend(seq.tokens(start, start + known))
             tokens.extend(seq.draft_ids[: n - known])
-            q_lens.append(n)
-            starts.append(start)
-            if at := seq.prompt_rows(start, n):
-                scored.append((seq, at))
-                scored_rows.extend(offset + p - start for p in at)
+            if as_rows:
+                q_lens.extend([1] * n)
+                starts.extend(range(start, start + n))
+                row_tables.extend([table] * n)
+            else:
+                q_lens.append(n)
+                starts.append(start)
+                row_tables.append(table)
+                if at := seq.prompt_rows(start, n):
+                    scored.append((seq, at))
+                    scored_rows.extend(offset + p - start for p in at)
             if start + known == seq.num_tokens:  # the last known token and each draft
                 rows.extend(range(offset + known - 1, offset + n))
                 ready.append(seq)
             offset += n
-        step = steps.Step(tokens, q_lens, starts, rows + scored_rows, tables)
-        steps.send(self.model.parallel, step)
-        capture = dict.fromkeys(self.capture) if self.capture else None
-        logits = forward_step(
-            self.model, self.cache, step, self.msa_dense_window, self.table_width, capture=capture
-        )
-        self.hidden = torch.cat([capture[i] for i in self.capture], -1) if capture else None
+        g, self.decoded = self.graphs, all(decoding)
+        if g is not None and all(decoding) and len(tokens) <= g.max_batch and g.capture == self.capture:
+            logits, self.hidden = g.run(tokens, starts, row_tables)
+        else:
+            step = steps.Step(tokens, q_lens, starts, rows + scored_rows, row_tables)
+            steps.send(self.model.parallel, step)
+            capture = dict.fromkeys(self.capture) if self.capture else None
+            logits = forward_step(
+                self.model, self.cache, step, self.msa_dense_window, self.table_width, capture=capture
+            )
+            self.hidden = torch.cat([capture[i] for i in self.capture], -1) if capture else None
         for seq, n in plan:
             seq.num_cached += n
         return ready, logits, scored
 
-    def _decode(self, plan, tables) -> tuple[list[Sequence], torch.Tensor]:
-        """One new token per sequence: replay the captured graph of the batch's bucket."""
-        ready = [s for s, _ in plan]
-        last = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in ready]
-        logits = self.graphs.run(last, [s.num_cached for s in ready], tables)
-        for s in ready:
-            s.num_cached += 1
-        return ready, logits
+
+def _decodes(seq: Sequence, n: int) -> bool:
+    """Whether the sequence's n positions this step are its last known token and drafts."""
+    return seq.num_cached == seq.num_tokens - 1 and n == 1 + len(seq.draft_ids)
 
 
 def forward_step(

@@ -1,35 +1,38 @@
 """Speculative decoding in the engine: draft tokens for running sequences, verify them.
 
 A running sequence holding drafts d_1..d_k (`Sequence.draft_ids`) is scheduled for k + 1
-positions: its last token and the drafts, in one target forward over the paged caches, where
-each position selects its own MSA blocks exactly as plain decoding would (a chunk of queries,
-as in chunked prefill). The k + 1 rows of logits go through the request's own sampling
+positions: its last token and the drafts, in one target forward over the paged caches, a row
+a position as in a decode step (on a GPU a captured graph of the step's rows), where each
+position selects its own MSA blocks exactly as plain decoding would. The k + 1 rows of logits go through the request's own sampling
 pipeline (`Sampler.process`: the row of draft i sees the drafts before it as output, for
 penalties) and the accept/reject rule (`speculative.rejection.verify`); the cache positions of
 rejected drafts are rolled back (`rollback`): their keys stay in the pages, past the sequence's
 valid positions, to be overwritten, and pages that only they reached go back to the pool.
 
-Drafters: prompt lookup (`speculative.ngram`), or an EAGLE-3 head (`EagleDrafter`) that reads
+Drafters: prompt lookup (`speculative.ngram`), or an EAGLE-3 head (`engine.drafter`) that reads
 the residual stream the target's forward captured at three layers (`ModelRunner.capture`) for
 every position a step computed and kept (prefill chunks, accepted drafts), writes its own keys
-for them into a pool that shares the target's block tables, and then drafts k tokens greedily.
+for them into a pool that shares the target's block tables, and then drafts k tokens greedily,
+every sequence at once after a step of decodes.
 
 Requests whose logits a grammar or a thinking budget masks (`Constraint`) are not speculated.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from m3lm.cache.block_manager import BlockManager
 from m3lm.core import TokenLogprob
+from m3lm.engine.drafter import DraftRows, EagleDrafter
 from m3lm.engine.sequence import SeqStatus, Sequence
-from m3lm.sampler import Sampler, logprobs
+from m3lm.sampler import Sampler, logprobs, reads_history
 from m3lm.speculative import ngram
 from m3lm.speculative.config import SpeculativeConfig
-from m3lm.speculative.rejection import draws, verify
+from m3lm.speculative.rejection import draws, verify, verify_greedy
 
 
 @dataclass
@@ -59,53 +62,6 @@ class Verified:
     finite: bool
 
 
-class EagleDrafter:
-    """An EAGLE-3 head beside the target, with its paged key/value pool (one layer)."""
-
-    def __init__(self, head, num_pages: int, page_size: int, device: torch.device):
-        a = head.args
-        self.head, self.page = head, page_size
-        shape = (num_pages, page_size, a.num_key_value_heads, a.head_dim)
-        dtype = head.fc.weight.dtype
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-
-    @staticmethod
-    def bytes_per_page(head, page_size: int) -> int:
-        """Bytes of one page of the drafter's pool (its keys and values)."""
-        a = head.args
-        return 2 * page_size * a.num_key_value_heads * a.head_dim * head.fc.weight.element_size()
-
-    @torch.inference_mode()
-    def draft(
-        self, seq: Sequence, table: list[int], hidden: torch.Tensor, start: int, room: int
-    ) -> list[int]:
-        """Take the sequence's positions start .. num_cached - 1 (their captured target states
-        `hidden` [n, 3 Ct]) into the pool; then draft up to `room` tokens after its last one."""
-        from m3lm.cache.kv_cache import rows
-
-        head, dev, end = self.head, hidden.device, seq.num_cached
-        tokens = torch.tensor(seq.tokens(start + 1, end + 1), device=dev)  # each position's next token
-        keys, values = rows(self.k, table, start), rows(self.v, table, start)
-        pos = torch.arange(start, end, device=dev)
-        feat, normed, k, v = head.step(tokens, head.features(hidden), pos, (keys, values))
-        pages = torch.tensor(table, device=dev)[pos // self.page]
-        self.k[pages, pos % self.page], self.v[pages, pos % self.page] = k, v
-        if not room:
-            return []
-        # drafted positions: their keys stay local to this call
-        keys, values = torch.cat([keys, k]), torch.cat([values, v])
-        token, feat, drafts = head.target_ids(head.logits(normed[-1:]).argmax(-1)), feat[-1:], []
-        for i in range(room):
-            drafts.append(token)
-            if i + 1 == room:
-                break
-            feat, normed, k, v = head.step(token, feat, pos[-1:] + i + 1, (keys, values))
-            keys, values = torch.cat([keys, k]), torch.cat([values, v])
-            token = head.target_ids(head.logits(normed).argmax(-1))
-        return torch.cat(drafts).tolist()
-
-
 class Speculator:
     def __init__(self, config: SpeculativeConfig, drafter: EagleDrafter | None = None):
         self.config, self.drafter = config, drafter
@@ -122,48 +78,71 @@ class Speculator:
 
     def propose(self, seqs: list[Sequence], blocks: BlockManager, runner) -> None:
         """After a step: set the drafts of each of its sequences that now decodes (its last token
-        not yet computed); an EAGLE-3 drafter first takes in every position the step kept."""
+        not yet computed); an EAGLE-3 drafter first takes in every position the step kept, for
+        every sequence at once after a step in which each decoded (`EagleDrafter.draft_rows`)."""
         c = self.config
         for seq in seqs:
             seq.draft_ids = []
+        rooms = [self.room(s) if self.eligible(s) and s.num_cached == s.num_tokens - 1 else 0 for s in seqs]
+        if self.drafter is None:
+            for seq, room in zip(seqs, rooms, strict=True):
+                if room:
+                    seq.draft_ids = ngram.propose(
+                        seq.token_ids, room, c.prompt_lookup_min, c.prompt_lookup_max
+                    )
+            return
+        if runner.decoded:  # every row a position of a decoding sequence: k + 1 rows at most each
+            # a sequence that drafts nothing now never drafts again (it ends, or a grammar holds it)
+            live = [(s, room) for s, room in zip(seqs, rooms, strict=True) if room]
+            if live:
+                rows = []
+                for seq, _ in live:
+                    offset, start, n = runner.spans[seq.seq_id]
+                    taken = seq.tokens(start + 1, seq.num_cached + 1)  # each kept position's next token
+                    rows.append(DraftRows(blocks.table(seq.seq_id), start, taken, offset, n))
+                drafts = self.drafter.draft_rows(rows, runner.hidden, self.k)
+                for (seq, room), d in zip(live, drafts, strict=True):
+                    seq.draft_ids = d[:room]
+            return
+        for seq, room in zip(seqs, rooms, strict=True):
             if seq.finished:
                 continue
-            decodes = self.eligible(seq) and seq.num_cached == seq.num_tokens - 1
-            room = self.room(seq) if decodes else 0
-            if self.drafter is not None:
-                offset, start = runner.spans[seq.seq_id]
-                hidden = runner.hidden[offset : offset + seq.num_cached - start]
-                seq.draft_ids = self.drafter.draft(seq, blocks.table(seq.seq_id), hidden, start, room)
-            elif room:
-                seq.draft_ids = ngram.propose(seq.token_ids, room, c.prompt_lookup_min, c.prompt_lookup_max)
+            offset, start, _ = runner.spans[seq.seq_id]
+            hidden = runner.hidden[offset : offset + seq.num_cached - start]
+            seq.draft_ids = self.drafter.draft(seq, blocks.table(seq.seq_id), hidden, start, room)
 
     def verify(self, sampler: Sampler, seqs: list[Sequence], logits: torch.Tensor) -> list[Verified]:
         """Accept a prefix of each sequence's drafts: `logits` [sum(k_i + 1), V] holds each
         sequence's rows in order. Reads the results back to the host once."""
         B, dev = len(seqs), logits.device
-        K = max(len(s.draft_ids) for s in seqs)
-        rows, params, prompts, outputs = [], [], [], []
-        at = 0
-        for s in seqs:
-            k = len(s.draft_ids)
-            for i in range(K + 1):  # padding rows repeat the sequence's last one
-                rows.append(at + min(i, k))
-                params.append(s.params)
-                prompts.append(s.prompt_ids)
-                outputs.append(s.output_ids + s.draft_ids[: min(i, k)])
-            at += k + 1
-        raw = logits[torch.tensor(rows, device=dev)]  # [B * (K+1), V]
+        counts = [len(s.draft_ids) for s in seqs]
+        K = max(counts)
+        if all(n == K for n in counts):
+            raw = logits  # [B * (K+1), V], already a sequence's K + 1 rows after another
+        else:  # padding rows repeat the sequence's last one
+            at = [0, *itertools.accumulate(n + 1 for n in counts)]
+            rows = [at[b] + min(i, n) for b, n in enumerate(counts) for i in range(K + 1)]
+            raw = logits[torch.tensor(rows, device=dev)]  # [B * (K+1), V]
+        params = [s.params for s in seqs for _ in range(K + 1)]
+        prompts = outputs = [()] * len(params)
+        if any(map(reads_history, params)):  # row i sees drafts 1..i as output
+            prompts = [s.prompt_ids for s in seqs for _ in range(K + 1)]
+            outputs = [
+                s.output_ids + s.draft_ids[: min(i, len(s.draft_ids))] for s in seqs for i in range(K + 1)
+            ]
         x = sampler.process(raw, params, prompts, outputs).view(B, K + 1, -1)
-        drafts = torch.tensor([s.draft_ids + [0] * (K - len(s.draft_ids)) for s in seqs], device=dev)
-        num = torch.tensor([len(s.draft_ids) for s in seqs], device=dev)
-        greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
-        uniforms, noise = draws([s.generator for s in seqs], K, x.shape[-1], dev)
-        accepted, nxt = verify(x, drafts.view(B, K), num, greedy, uniforms, noise)
+        host = torch.tensor([s.draft_ids + [0] * (K - len(s.draft_ids)) + [len(s.draft_ids)] for s in seqs])
+        host = host.to(dev, non_blocking=host.is_pinned())
+        drafts, num = host[:, :K], host[:, K]
+        if all(s.params.greedy for s in seqs):
+            accepted, cand = verify_greedy(x, drafts, num)  # [B], [B, K+1]
+        else:
+            greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
+            uniforms, noise = draws([s.generator for s in seqs], K, x.shape[-1], dev)
+            accepted, nxt = verify(x, drafts, num, greedy, uniforms, noise)
+            # the emitted tokens' candidates: each row's draft, and at row `accepted` the chosen token
+            cand = torch.cat([drafts, drafts.new_zeros(B, 1)], 1).scatter(1, accepted[:, None], nxt[:, None])
         finite = torch.isfinite(raw).all(-1).view(B, K + 1).all(-1)
-        # the emitted tokens' candidates: each row's draft, and at row `accepted` the chosen token
-        cand = torch.cat([drafts.view(B, K), drafts.new_zeros(B, 1)], 1).scatter(
-            1, accepted[:, None], nxt[:, None]
-        )
         asked = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
         lp = logprobs(raw, cand.flatten(), max(asked)) if asked else None
         host = torch.cat([accepted, finite.long(), cand.flatten()]).tolist()

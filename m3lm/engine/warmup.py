@@ -14,7 +14,8 @@ step can need are named by a few keys, and one step of each key compiles them al
   one two-token step at the end of a sequence of each bucket up to `max_model_len`, its earlier
   positions taken as cached (their keys are whatever the pool holds: only shapes matter here);
 - a chunk after a cached prefix (the Triton prefill kernel without a selection);
-- every CUDA-graph batch bucket (`DecodeGraphs.capture_all`);
+- every CUDA-graph batch bucket (`DecodeGraphs.capture_all`), and an EAGLE-3 drafter's
+  (`DraftGraphs.capture_all`); with speculation a decode step has a row a verified position;
 - structured output's mask (xgrammar's Triton kernel): one row, two rows and sixteen, the classes
   Triton specialises its row count on.
 
@@ -156,15 +157,18 @@ def warm_up(engine, progress: bool = True) -> WarmupReport:
     if engine.device.type != "cuda":
         return _warm_cpu(engine)
     cfg, args = engine.config, engine.model.args
+    spec = cfg.speculative_config
     plan = warmup_plan(
         cfg.max_num_batched_tokens,
-        cfg.max_num_seqs,
+        cfg.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),  # a decode row a position
         engine.max_model_len,
         engine.blocks.page_size,
         args.index_topk_blocks,
         args.num_experts_per_tok,
     )
     graphs = engine.runner.graphs
+    drafter = engine.speculator.drafter if engine.speculator is not None else None
+    drafts = drafter.graphs if drafter is not None else None
     n_graphs = len(graphs.buckets) if graphs is not None else 0
     report = WarmupReport()
     start, before = time.perf_counter(), compiled_variants()
@@ -172,6 +176,8 @@ def warm_up(engine, progress: bool = True) -> WarmupReport:
         if graphs is not None:
             report.graphs = len(graphs.capture_all(lambda b: bar.update()))
             bar.update(n_graphs - report.graphs)  # buckets captured before
+        if drafts is not None:
+            report.graphs += len(drafts.capture_all())
         next_id = -1  # below every engine sequence id
         for shape in plan:
             bar.set_postfix_str(f"{shape.kind} {shape.batch}x{shape.new}+{shape.cached}")

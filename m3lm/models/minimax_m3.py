@@ -326,7 +326,7 @@ class MiniMaxM3(nn.Module):
         has static shapes and no host synchronisation, so its step can be captured in a CUDA graph.
         """
         decode = isinstance(batch, DecodeBatch)
-        capture = None if decode else batch.capture
+        capture = batch.capture
         x, residual = self.model.embed_norm(tokens, fuse=not decode)  # [T, C] each, no embedding scaling
         for i, layer in enumerate(self.model.layers):
             if i:  # the previous output joins the residual stream (a MoE's pairs, A times [T, C], freed)

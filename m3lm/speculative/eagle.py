@@ -21,6 +21,7 @@ read too). Anything else, a missing tensor or a wrong shape is a one-line `Check
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,17 +203,12 @@ class Eagle3(nn.Module):
             captured = torch.cat([n(p) for n, p in zip(self.fc_norm, parts, strict=True)], -1)
         return self.fc(captured.to(self.fc.weight.dtype))
 
-    def step(
-        self,
-        tokens: torch.Tensor,
-        feats: torch.Tensor,
-        pos: torch.Tensor,
-        past: tuple[torch.Tensor, torch.Tensor],
+    def qkv(
+        self, tokens: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """T consecutive positions of one sequence: tokens [T] (each position's next token),
-        feats [T, C], positions [T], and the keys/values of the positions before them [P, K, D]
-        -> (the feature for the next position [T, C], the final-normed states [T, C] that
-        `logits` reads, k, v [T, K, D])."""
+        """The layer up to its attention: tokens [T] (each position's next token), feats [T, C]
+        and positions [T] -> rotated q [T, H, D], k [T, K, D], v [T, K, D] and the residual
+        stream [T, C] that the attention's output joins (`finish`)."""
         layer, a = self.midlayer, self.args
         e = layer.input_layernorm(self._embed(tokens).to(feats.dtype))
         if a.norm_before_residual:
@@ -225,21 +221,45 @@ class Eagle3(nn.Module):
         table = rope_table(pos, at.d, at.theta)
         q = rope(at.q_proj(x).view(T, at.h, at.d), pos, at.theta, table)
         k = rope(at.k_proj(x).view(T, at.k, at.d), pos, at.theta, table)
-        v = at.v_proj(x).view(T, at.k, at.d)
+        return q, k, at.v_proj(x).view(T, at.k, at.d), residual
+
+    def finish(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention: o [T, H, D] and the residual stream [T, C] -> (the
+        feature for the next position [T, C], the final-normed states [T, C] `logits` reads)."""
+        layer = self.midlayer
+        h = layer.self_attn.o_proj(o.reshape(o.shape[0], -1)) + residual
+        h = layer.mlp(layer.post_attention_layernorm(h)) + h
+        normed = self.norm(h)
+        return (normed if self.args.norm_output else h), normed
+
+    @property
+    def scale(self) -> float:
+        """The attention's softmax scale, 1 / sqrt(head_dim)."""
+        return 1.0 / math.sqrt(self.args.head_dim)
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        feats: torch.Tensor,
+        pos: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """T consecutive positions of one sequence: tokens [T] (each position's next token),
+        feats [T, C], positions [T], and the keys/values of the positions before them [P, K, D]
+        -> (the feature for the next position [T, C], the final-normed states [T, C] that
+        `logits` reads, k, v [T, K, D])."""
+        q, k, v, residual = self.qkv(tokens, feats, pos)
         keys, values = torch.cat([past[0], k]), torch.cat([past[1], v])  # [P + T, K, D]
-        P = past[0].shape[0]
-        mask = torch.arange(P + T, device=x.device)[None] <= (P + torch.arange(T, device=x.device))[:, None]
-        rep = at.h // at.k
+        P, T = past[0].shape[0], q.shape[0]
+        mask = torch.arange(P + T, device=q.device)[None] <= (P + torch.arange(T, device=q.device))[:, None]
+        rep = q.shape[1] // k.shape[1]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             keys.repeat_interleave(rep, 1).transpose(0, 1),
             values.repeat_interleave(rep, 1).transpose(0, 1),
             attn_mask=mask,
-        )  # [H, T, D]
-        h = at.o_proj(o.transpose(0, 1).reshape(T, -1)) + residual
-        h = layer.mlp(layer.post_attention_layernorm(h)) + h
-        normed = self.norm(h)
-        return (normed if a.norm_output else h), normed, k, v
+        )  # [H, T, D], scaled by `scale`
+        return *self.finish(o.transpose(0, 1), residual), k, v
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., Vd] (fp32) of final-normed states."""

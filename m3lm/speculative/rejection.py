@@ -79,6 +79,19 @@ def verify(
     return accepted, nxt
 
 
+def verify_greedy(
+    logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify` when every row is greedy, without its draws: logits [B, K+1, V], drafts [B, K],
+    num_drafts [B] -> (accepted [B], the tokens each row emits [B, K+1]: its argmax, which
+    up to row `accepted` are the accepted drafts and then the token after them)."""
+    K = drafts.shape[1]
+    top = logits.argmax(-1)  # [B, K+1], ties to the lowest id
+    valid = torch.arange(K, device=logits.device)[None, :] < num_drafts[:, None]
+    accepted = ((drafts == top[:, :K]) & valid).long().cumprod(-1).sum(-1)  # [B]
+    return accepted, top
+
+
 def draws(
     generators: Sequence[torch.Generator | None], k: int, vocab: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:

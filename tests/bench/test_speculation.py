@@ -50,16 +50,20 @@ def test_the_verify_forward_is_k_plus_1_decode_steps_on_the_same_cache(tiny):
     selection at every position: 40 positions are 10 blocks, of which a query attends 3)."""
     batch, ctx = 3, 40
     cache, step = speculation.verify_inputs(tiny, batch, ctx, K)
-    assert step.q_lens == [K + 1] * batch and step.starts == [ctx - 1] * batch
-    assert len(step.tokens) == len(step.rows) == batch * (K + 1)
-    assert sorted(p for t in step.tables for p in t) == list(range(cache.num_pages - 1))  # shuffled, disjoint
+    n = batch * (K + 1)
+    assert step.q_lens == [1] * n and step.starts == [ctx - 1 + i for _ in range(batch) for i in range(K + 1)]
+    assert len(step.tokens) == len(step.rows) == n
+    assert step.tables == [t for t in step.tables[:: K + 1] for _ in range(K + 1)]  # a table a sequence
+    assert sorted(p for t in step.tables[:: K + 1] for p in t) == list(
+        range(cache.num_pages - 1)
+    )  # shuffled, disjoint
     verified = forward_step(tiny, cache, step, None).view(batch, K + 1, -1)
 
     fresh, same = speculation.verify_inputs(tiny, batch, ctx, K)  # the same noise in a new cache
     assert same == step
     for i in range(K + 1):
         tokens = [step.tokens[b * (K + 1) + i] for b in range(batch)]
-        one = Step(tokens, [1] * batch, [ctx - 1 + i] * batch, list(range(batch)), step.tables)
+        one = Step(tokens, [1] * batch, [ctx - 1 + i] * batch, list(range(batch)), step.tables[:: K + 1])
         decoded = forward_step(tiny, fresh, one, None)
         assert decoded.std() > 0.1  # logits that tell tokens apart
         torch.testing.assert_close(verified[:, i], decoded, rtol=1e-4, atol=1e-4)
@@ -119,9 +123,14 @@ def test_the_cases_give_rows_and_projection_lines(tiny, capsys):
     assert [r.tokens for r in rows] == [4, 8] and all(
         set(r.parts) == {"head", "dense", "sparse"} for r in rows
     )
-    # per case: the parts line, then the projection without drafting time and with each drafter
-    assert len(notes) == 2 * 4
-    row, parts_line, upper, with_drafter = rows[1], notes[4], notes[5], notes[7]
+    # per case: the parts line, the experts read, then the projection without drafting time and
+    # with each drafter
+    assert len(notes) == 2 * 5
+    row, parts_line, experts, upper, with_drafter = rows[1], notes[5], notes[6], notes[7], notes[9]
+    read = 6 * (1 - (1 - 2 / 6) ** 8)  # 6 experts, 2 a token, 8 rows
+    assert experts.startswith(
+        f"verify B=2 x 4 ctx=20 [bf16]: a MoE layer reads {read:.1f} routed experts for the 8 rows"
+    )
     assert parts_line.startswith("verify B=2 x 4 ctx=20 [bf16]: step") and "60-layer projection" in parts_line
     assert upper.startswith("B=2 ctx=20 k=3 [bf16], speculation with no drafting time (an upper bound)")
     assert with_drafter.startswith("B=2 ctx=20 k=3 [bf16], speculation with the 2-KV-head drafter")

@@ -127,3 +127,38 @@ def test_engine_graphs_with_mxfp8_weights_match_cpu(tiny_path, index_fp8):
     got, engine = run(gpu)
     assert got == want
     assert engine.runner.graphs is not None and engine.runner.graphs._graphs
+
+
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+def test_speculation_under_graphs_gives_the_cpus_tokens(tiny_path, tmp_path, method):
+    """Verification steps replay the decode graphs (a row a verified position) and an EAGLE-3
+    drafter's drafting its own graphs; greedy tokens are plain decoding's on the CPU."""
+    from m3lm.speculative.eagle import random_drafter
+    from tests.speculative.test_speculative import drafter_config, repetitive
+
+    cpu, _ = m3lm.load(tiny_path, device="cpu", dtype="float32")
+    gpu, _ = m3lm.load(tiny_path, device=DEV, dtype="float32")
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "eagle3":
+        spec["model"] = str(random_drafter(tmp_path / "d", drafter_config(cpu), seed=1))
+    else:
+        spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    prompts = [repetitive(i) for i in range(3)] + [torch.randint(0, 96, (30,)).tolist()]
+    params = m3lm.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(model, **config):
+        engine = LLMEngine(
+            model, None, EngineConfig(max_num_seqs=8, max_model_len=128, kv_cache_tokens=POOL, **config)
+        )
+        seqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        return [s.output_ids for s in seqs], engine
+
+    want, _ = run(cpu)
+    got, engine = run(gpu, speculative_config=spec)
+    assert got == want
+    assert engine.speculator.stats.num_drafts > 0
+    assert max(engine.runner.graphs._graphs) > len(prompts)  # steps of more rows than sequences
+    if method == "eagle3":
+        assert engine.speculator.drafter.graphs._graphs
