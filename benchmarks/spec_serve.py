@@ -89,6 +89,8 @@ def serve(model: str, extra: list[str], bodies: list[dict], levels: list[int], t
         server.wait_healthy(time.monotonic() + timeout)
         out = {}
         with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as sync:
+            name = sync.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+            bodies = [{**b, "model": name} for b in bodies]
             for c in levels:
                 before = scrape(sync)
                 results, seconds = asyncio.run(level(server.url, bodies, c, timeout))
@@ -119,9 +121,10 @@ def held_back_prompts(data_dir: Path, n: int, seed: int) -> list[str]:
     """Openings of held-back stories (the validation split), 4 to 40 words."""
     sys.path.insert(0, str(REPO))
     from benchmarks.cpu.spec_story import held_back
+    from training.prepare_data import BOS
 
-    rng = random.Random(seed)
-    return [" ".join(p.split()[: rng.randint(4, 40)]) for p in held_back(n, 40, data_dir)]
+    rng = random.Random(seed)  # the server's tokenizer adds BOS
+    return [" ".join(p.removeprefix(BOS).split()[: rng.randint(4, 40)]) for p in held_back(n, 40, data_dir)]
 
 
 def main() -> None:
@@ -143,6 +146,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.write_prompts:
         texts = held_back_prompts(a.data_dir, a.num_requests, a.seed)
+        a.write_prompts.parent.mkdir(parents=True, exist_ok=True)
         a.write_prompts.write_text("".join(json.dumps(t) + "\n" for t in texts))
         print(f"wrote {len(texts)} prompts to {a.write_prompts}")
         return
@@ -153,7 +157,6 @@ def main() -> None:
     lo, _, hi = a.output_len.partition("-")
     bodies = [
         {
-            "model": "m",
             "prompt": texts[i % len(texts)],
             "max_tokens": rng.randint(int(lo), int(hi or lo)),
             "temperature": 0.0,
