@@ -35,7 +35,7 @@ RECOMPILE_LIMIT = 64
 
 class CompiledDecode:
     """`run(tokens, positions, tables)` -> (fp32 logits [B, V] of one new token per row, None: it
-    captures no drafter states, `capture` is empty), as `DecodeGraphs.run`.
+    captures no drafter states, `layers` is empty), as `DecodeGraphs.run`.
 
     Block tables are padded (with the spare page) wider than a selection's top-k blocks (when a
     sequence's `max_pages` exceed it; else to `max_pages`), at least two pages, so that every
@@ -43,7 +43,7 @@ class CompiledDecode:
 
     def __init__(self, model: MiniMaxM3, cache: KVCache, max_batch: int, spare_page: int, max_pages: int):
         self.model, self.cache, self.spare, self.max_batch = model, cache, spare_page, max_batch
-        self.capture: tuple[int, ...] = ()
+        self.layers: tuple[int, ...] = ()
         topk = model.args.index_topk_blocks
         wide = (topk + 1 if max_pages > topk else max_pages) if any(model.args.sparse_layers) else 2
         self.min_width = max(2, wide)

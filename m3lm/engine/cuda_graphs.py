@@ -5,9 +5,9 @@ A decode step (one new token for each of B sequences: `MiniMaxM3.forward_batch` 
 and replayed: the step costs one graph launch instead of hundreds of kernel launches. Inputs are
 copied into static buffers from pinned host memory; rows past B point at a spare page the block
 manager never hands out. A verification step is such a step too: a sequence's last token and its
-drafts are rows at consecutive positions over its one table (`DecodeBatch`). With `capture` (the
-layers an EAGLE-3 drafter reads) each graph also writes the residual stream entering those layers
-[B, len(capture) * C] into a static buffer.
+drafts are rows at consecutive positions over its one table (`DecodeBatch`). With `capture`
+(`layers`: those an EAGLE-3 drafter reads) each graph also writes the residual stream entering
+those layers [B, len(layers) * C] into a static buffer.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class DecodeGraphs:
         spare_page: int,
         capture: tuple[int, ...] = (),
     ):
-        self.model, self.cache, self.capture = model, cache, capture
+        self.model, self.cache, self.layers = model, cache, capture
         self.page_size = cache.page_size
         self.buckets = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
         dev = model.lm_head.weight.device
@@ -44,10 +44,10 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle()
 
     def _step(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        capture = dict.fromkeys(self.capture) if self.capture else None
+        capture = dict.fromkeys(self.layers) if self.layers else None
         dec = DecodeBatch.build(self.positions[:b], self.tables[:b], self.cache, self.page_size, capture)
         logits = self.model.forward_batch(self.tokens[:b], dec)  # [b, V]
-        return logits, torch.cat([capture[i] for i in self.capture], -1) if capture else None
+        return logits, torch.cat([capture[i] for i in self.layers], -1) if capture else None
 
     @torch.inference_mode()
     def capture(self, b: int) -> None:
@@ -80,7 +80,7 @@ class DecodeGraphs:
         self, tokens: list[int], positions: list[int], tables: list[list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 logits [B, V] for one new token per row (B <= max_batch), and the captured states
-        [B, len(capture) * C] (None without `capture`)."""
+        [B, len(layers) * C] (None without `layers`)."""
         n = len(tokens)
         b = self.bucket(n)
         if b not in self._graphs:

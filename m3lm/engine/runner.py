@@ -82,7 +82,7 @@ class ModelRunner:
                 ready.append(seq)
             offset += n
         g, self.decoded = self.graphs, all(decoding)
-        if g is not None and all(decoding) and len(tokens) <= g.max_batch and g.capture == self.capture:
+        if g is not None and all(decoding) and len(tokens) <= g.max_batch and g.layers == self.capture:
             logits, self.hidden = g.run(tokens, starts, row_tables)
         else:
             step = steps.Step(tokens, q_lens, starts, rows + scored_rows, row_tables)
