@@ -8,11 +8,13 @@ the step never waits for a compile.
 
 `Constraint` is one request's state: where its reasoning is (`ThinkingControl`, decided on token
 ids) and its grammar matcher, which lives with the request: a preempted request keeps it, since
-its recompute samples nothing it has not already accepted. Each step `mask_logits` fills one
-bitmask row per request that needs one (the grammar's next tokens; while reasoning under a
-grammar, anything but a stop token; with the thinking budget spent, only the closer) and applies
-them to the logits on their device; other rows are untouched. After sampling `Constraint.accept`
-advances the state; a request ends when its matcher terminates.
+its recompute samples nothing it has not already accepted. Each step `Masks.fill` fills one
+bitmask row per request that needs one (the grammar's next tokens, every grammar's row at once on
+xgrammar's threads; while reasoning under a grammar, anything but a stop token; with the thinking
+budget spent, only the closer) on the host while the step's forward runs on the GPU (the forward
+does not need them, only sampling does), and sends them in one copy from pinned memory;
+`StepMasks.apply` then masks the logits on their device; other rows are untouched. After
+sampling `Constraint.accept` advances the state; a request ends when its matcher terminates.
 
 The vocabulary is the tokenizer's, padded to the model's (ids past the tokenizer are never
 allowed). Special tokens have no text in it, except the stop tokens and the markers a grammar
@@ -181,8 +183,14 @@ class Constraint:
             return self.matcher is not None or self._budget_spent()
         return self.matcher is not None
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i of word i // 32)."""
+    @property
+    def grammar_row(self) -> bool:
+        """Whether the row starts as the grammar's next tokens (else the reasoning's rule)."""
+        return self.state is not _State.REASONING
+
+    def fill(self, bitmask: torch.Tensor, row: int, grammar_filled: bool = False) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (int32 words, bit i of word i // 32);
+        `grammar_filled`: the grammar's tokens are there already (`grammar_row`)."""
         t = self.thinking
         if self.state is _State.REASONING:
             if self._budget_spent():
@@ -193,7 +201,8 @@ class Constraint:
                 for i in self.matcher.stop_token_ids:  # under a grammar the answer must come
                     _set(bitmask, row, i, False)
             return
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if not grammar_filled:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
         if self.state is _State.START:
             _set(bitmask, row, t.start_id, True)
             _set(bitmask, row, t.end_id, True)
@@ -224,8 +233,62 @@ def _set(bitmask: torch.Tensor, row: int, token: int, allowed: bool) -> None:
     bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
+class StepMasks:
+    """One step's bitmask rows on the logits' device, and which rows they constrain."""
+
+    def __init__(self, bitmask: torch.Tensor, rows: list[int]):
+        self.bitmask, self.rows = bitmask, rows
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set to -inf, in place, what each constrained row of logits [B, V] forbids."""
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, self.bitmask, indices=self.rows)
+
+
+class Masks:
+    """Fills a step's bitmask rows on the host into a reused buffer (pinned on a GPU, so the copy
+    does not wait for the forward), the grammars' rows at once on xgrammar's threads."""
+
+    def __init__(self, vocab_size: int, device: torch.device, threads: int | None = None):
+        self.vocab_size, self.device = vocab_size, device
+        self.threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._host: torch.Tensor | None = None
+        self._batch = None
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        import xgrammar as xgr
+
+        if self._host is None or self._host.shape[0] < rows:
+            n = max(rows, 2 * self._host.shape[0] if self._host is not None else 16)
+            host = xgr.allocate_token_bitmask(n, self.vocab_size)  # [n, ceil(V / 32)] int32
+            self._host = host.pin_memory() if self.device.type == "cuda" else host
+        return self._host[:rows]
+
+    def fill(self, constraints: Sequence[Constraint | None]) -> StepMasks | None:
+        """The bitmask rows of the constrained ones of B rows (None when none is), on the device.
+        The host buffer is reused: a step reads its copy back (sampling) before the next fills."""
+        rows = [i for i, c in enumerate(constraints) if c is not None and c.masks()]
+        if not rows:
+            return None
+        import xgrammar as xgr
+
+        bitmask = self._buffer(len(constraints))
+        grammar = [i for i in rows if constraints[i].grammar_row]
+        if len(grammar) > 1:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(self.threads)
+            self._batch.batch_fill_next_token_bitmask(
+                [constraints[i].matcher for i in grammar], bitmask, grammar
+            )
+        for i in rows:
+            constraints[i].fill(bitmask, i, grammar_filled=len(grammar) > 1 and constraints[i].grammar_row)
+        return StepMasks(bitmask.to(self.device, non_blocking=True), rows)
+
+
 def mask_logits(constraints: Sequence[Constraint | None], logits: torch.Tensor) -> None:
-    """Set to -inf, in place, each constrained row's logits [B, V] that its rules forbid."""
+    """Set to -inf, in place, each constrained row's logits [B, V] that its rules forbid (the
+    plain reference of `Masks`: one row at a time, a fresh buffer)."""
     rows = [i for i, c in enumerate(constraints) if c is not None and c.masks()]
     if not rows:
         return

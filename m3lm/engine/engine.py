@@ -23,7 +23,7 @@ from m3lm.cache.pool import PoolPlan, graph_reserve, plan_pool
 from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams, StepOutput, TokenLogprob, validate_request
 from m3lm.distributed import steps
-from m3lm.engine.constraints import Constraint, Grammars, mask_logits
+from m3lm.engine.constraints import Constraint, Grammars, Masks, StepMasks
 from m3lm.engine.drafter import EagleDrafter
 from m3lm.engine.memory import peak_activation_bytes, profile_batches
 from m3lm.engine.runner import ModelRunner
@@ -139,6 +139,7 @@ class LLMEngine:
         self.eos_ids = eos_ids_of(tokenizer, self.generation_config, eos_ids)
         source = (lambda: tokenizer) if tokenizer is not None else grammar_tokenizer
         self.grammars = Grammars(source, args.vocab_size, self.eos_ids) if source is not None else None
+        self.masks = Masks(args.vocab_size, self.device)
         self._compiling: list[Sequence] = []  # requests whose grammar is compiling
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -320,6 +321,9 @@ class LLMEngine:
             return started
         tables = [self.blocks.table(seq.seq_id) for seq, _ in plan]
         ready, logits, scored = self.runner.run(plan, tables)
+        # the rows `_sample` takes: their grammars' masks are filled while the forward runs
+        sampled = [s for s in ready if not s.draft_ids and s.max_tokens > 0]
+        masks = self.masks.fill([s.constraint for s in sampled])
         for seq, _ in plan:  # name the pages this step filled, for later prompts with the same prefix
             self.blocks.seal(seq.seq_id, seq.num_cached - len(seq.draft_ids), seq.tokens)
         n_rows = sum(1 + len(s.draft_ids) for s in ready)
@@ -334,7 +338,8 @@ class LLMEngine:
         if any(s.draft_ids for s in ready):
             ready, logits = self._verify(ready, logits, results)
         if ready:
-            self._sample(ready, logits, results)
+            assert ready == sampled
+            self._sample(ready, logits, results, masks)
         if self.speculator is not None:
             self.speculator.propose([s for s, _ in plan], self.blocks, self.runner)
         return results
@@ -368,12 +373,14 @@ class LLMEngine:
                 results.append(self.fail(seq, f"{type(e).__name__}: {e}"))
         return plain, logits[plain_rows]
 
-    def _sample(self, ready: list[Sequence], logits: torch.Tensor, results: list[StepOutput]) -> None:
-        """Sample one token for each sequence from its row of `logits`; append them to `results`."""
+    def _sample(
+        self, ready: list[Sequence], logits: torch.Tensor, results: list[StepOutput], masks: StepMasks | None
+    ) -> None:
+        """Sample one token for each sequence from its row of `logits`, under its row of `masks`
+        (`Masks.fill` of their constraints); append them to `results`."""
         finite = torch.isfinite(logits).all(dim=-1)  # of the model's logits, before any mask
-        constraints = [s.constraint for s in ready]
-        if any(c is not None for c in constraints):
-            mask_logits(constraints, logits)
+        if masks is not None:
+            masks.apply(logits)
         out = self.sampler(
             logits,
             [s.params for s in ready],

@@ -245,6 +245,47 @@ def test_the_reasoning_state_follows_the_thinking_mode_on_token_ids(story):
     assert not direct.accept(start)  # and refuses a marker
 
 
+def test_masks_filled_at_once_are_each_row_filled_alone(story):
+    """`Masks` (every grammar's row on xgrammar's threads, a reused buffer) gives the rows that
+    `mask_logits` gives one at a time, for rows in every state, twice in a row."""
+    engine = engine_of(story)
+    V, start, end = 4096, 4087, 4088
+    schema = StructuredOutput(
+        "json", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    )
+    choice = engine.grammars.submit(StructuredOutput("choice", '["yes", "no"]'))
+    obj = engine.grammars.submit(schema)
+
+    def constraint(grammar, thinking=None):
+        c = Constraint(grammar, thinking)
+        c.start()
+        return c
+
+    rows = [
+        constraint(obj),
+        None,
+        constraint(choice),
+        constraint(obj, ThinkingControl("adaptive", start, end)),  # grammar and the markers
+        constraint(choice, ThinkingControl("enabled", start, end)),  # reasoning: no stop token
+        constraint(obj, ThinkingControl("enabled", start, end, budget=0)),  # only the closer
+        Constraint(None, None),
+    ]
+    obj.result(), choice.result()
+    masks = engine.masks
+    for step in range(2):
+        logits = torch.randn(len(rows), V, generator=torch.Generator().manual_seed(step))
+        want = logits.clone()
+        mask_logits(rows, want)
+        got = logits.clone()
+        masks.fill(rows).apply(got)
+        assert torch.equal(got, want)
+        allowed = torch.isfinite(got).sum(-1).tolist()
+        assert allowed[1] == allowed[6] == V and allowed[5] == 1 and len(set(allowed)) >= 4
+        for i in (0, 2):  # the grammars move on: the next step's rows differ
+            assert rows[i].accept(int(torch.isfinite(got[i]).nonzero()[-1]))
+    assert masks.fill([None, Constraint(None, None)]) is None
+
+
 # -- the engine -----------------------------------------------------------------------------------
 
 SCHEMA = {
