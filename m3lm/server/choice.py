@@ -34,6 +34,15 @@ class Choice(ReplyText):
         return self.parsed().message()
 
 
+# What a logprob that is -inf (a token structured output forbids) is sent as, whole and streamed:
+# JSON has no infinity, and OpenAI's schema has no null there.
+LOGPROB_FLOOR = -9999.0
+
+
+def _floor(v: float) -> float:
+    return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def _token_text(tokenizer, tid: int) -> str:
     return tokenizer.decode([tid]) if tokenizer is not None else str(tid)
 
@@ -41,7 +50,7 @@ def _token_text(tokenizer, tid: int) -> str:
 def _entries(tokenizer, lps: list[TokenLogprob]) -> list[dict]:
     def entry(tid: int, lp: float | None) -> dict:
         text = _token_text(tokenizer, tid)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _floor(lp), "bytes": list(text.encode())}
 
     return [
         {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
@@ -67,7 +76,7 @@ def vllm_prompt_logprobs(tokenizer, c: Choice, k: int) -> list[dict | None]:
         top = {str(t): (v, r) for r, (t, v) in enumerate(lp.top[:k], 1)}
         top.setdefault(str(lp.token_id), (lp.logprob, lp.rank))
         return {
-            t: {"logprob": v, "rank": r, "decoded_token": _token_text(tokenizer, int(t))}
+            t: {"logprob": _floor(v), "rank": r, "decoded_token": _token_text(tokenizer, int(t))}
             for t, (v, r) in top.items()
         }
 

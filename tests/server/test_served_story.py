@@ -151,3 +151,37 @@ def test_a_reply_ended_by_a_stop_string_counts_in_the_latency(served, client):
 def test_echo_of_ids_outside_the_vocabulary_is_a_400(client):
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model=NAME, prompt=[-1], echo=True, max_tokens=1)
+
+
+def test_logprobs_under_a_grammar_are_finite_whole_and_streamed(client):
+    """Alternatives a grammar forbids have logprob -inf: they come as OpenAI's floor, -9999.0,
+    the same in a whole reply and in its stream (JSON has no infinity; the schema no null)."""
+    body = dict(
+        model=NAME,
+        messages=[{"role": "user", "content": "Yes or no?"}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {
+                "name": "a",
+                "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}},
+            },
+        },
+        logprobs=True,
+        top_logprobs=20,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"thinking_mode": "disabled"}},
+    )
+    whole = client.chat.completions.create(**body).choices[0].logprobs.content
+    streamed = [
+        e for ch in client.chat.completions.create(**body, stream=True) if ch.choices and ch.choices[0].logprobs
+        for e in ch.choices[0].logprobs.content
+    ]  # fmt: skip
+    values = [[t.logprob for t in e.top_logprobs] for e in whole]
+    again = [[t.logprob for t in e.top_logprobs] for e in streamed]
+    assert len(again) == len(values) and all(
+        a == pytest.approx(v, rel=1e-4) for a, v in zip(again, values, strict=True)
+    )
+    assert all(v >= -9999.0 for row in values for v in row)
+    assert any(v == -9999.0 for row in values for v in row)  # a forbidden alternative
+    assert all(e.logprob > -9999.0 for e in whole)  # the chosen tokens are allowed
