@@ -43,7 +43,8 @@ class ReplyText:
             parsed: list[ReplyEvent] = [ContentDelta(out.new_text)] if out.new_text else []
         else:
             parsed = []
-            texts = out.token_texts or [""] * (len(out.new_token_ids) - 1) + [out.new_text]
+            n = len(out.new_token_ids)  # none: a prompt scored with max_tokens 0
+            texts = out.token_texts or ([""] * (n - 1) + [out.new_text] if n else [])
             for tid, text in zip(out.new_token_ids, texts, strict=True):
                 was = self.parser.reasoning.in_reasoning
                 parsed += self.parser.feed(tid, text)

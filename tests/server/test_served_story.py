@@ -103,6 +103,17 @@ def test_vllm_prompt_logprobs_field(served, client):
         client.completions.create(model=NAME, prompt="a", stream=True, extra_body={"prompt_logprobs": 1})
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+    # chat scores its prompt with nothing to generate, as completions does
+    messages = [{"role": "user", "content": TEXTS[1]}]
+    r = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=0, extra_body={"prompt_logprobs": 1}
+    )
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert r.choices[0].message.content == "" and r.choices[0].finish_reason == "length"
+    assert len(plp) == len(prompt) == r.usage.prompt_tokens and r.usage.completion_tokens == 0
+    ref = log_softmax(model, prompt)
+    assert plp[-1][str(prompt[-1])]["logprob"] == pytest.approx(ref[-2, prompt[-1]].item(), abs=1e-4)
 
 
 def test_models_retrieve_and_tokenizer_info(served, client):
