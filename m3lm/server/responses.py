@@ -61,6 +61,8 @@ from m3lm.text.tool_calls import ToolCallArguments, ToolCallHeader
 _json = msgspec.json.Encoder().encode
 log = logging.getLogger("m3lm.server")
 STORED = 256  # responses kept for previous_response_id and GET
+STORED_BYTES = 64 << 20  # and their JSON's bytes at most
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 _EFFORT_MODES = {
     "none": "disabled",
     "minimal": "disabled",
@@ -196,6 +198,7 @@ class ResponsesRequest(_Body):
         }
         if named := [k for k, v in refused.items() if v]:
             raise ValueError(f"{', '.join(named)}: not supported by this server")
+        check_metadata(self.metadata)
         if self.truncation == "auto":
             raise ValueError(
                 'truncation "auto" is not supported: a conversation longer than the context is refused'
@@ -401,28 +404,58 @@ class OutputItems:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
 
 
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's limits on `metadata`: 16 pairs, keys of 64 characters, values of 512."""
+    if metadata is None:
+        return
+    if len(metadata) > METADATA_PAIRS:
+        raise ValueError(f"metadata: {len(metadata)} pairs, at most {METADATA_PAIRS}")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY:
+            raise ValueError(f"metadata: a key of {len(key)} characters, at most {METADATA_KEY}")
+        if len(value) > METADATA_VALUE:
+            raise ValueError(f"metadata[{key!r}]: {len(value)} characters, at most {METADATA_VALUE}")
+
+
 def _id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
 class ResponseStore:
-    """The last `capacity` stored responses with the items of their conversation, by id within
-    one API key's namespace; the least recently used goes first."""
+    """Stored responses with the items of their conversation, by id within one API key's
+    namespace (a tenant), at most `capacity` of them and `max_bytes` of their JSON. When full,
+    the tenant holding the most bytes loses its least recently used one: a tenant that stores
+    more than the others evicts its own responses, not theirs."""
 
-    def __init__(self, capacity: int = STORED) -> None:
-        self.capacity = capacity
-        self._entries: OrderedDict[tuple[str | None, str], tuple[dict, list[dict]]] = OrderedDict()
+    def __init__(self, capacity: int = STORED, max_bytes: int = STORED_BYTES) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._entries: OrderedDict[tuple[str | None, str], tuple[dict, list[dict], int]] = OrderedDict()
+        self._bytes: dict[str | None, int] = {}  # each tenant's, of what it stores
 
     def put(self, tenant: str | None, response: dict, items: list[dict]) -> None:
-        self._entries[(tenant, response["id"])] = (response, items)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        size = len(msgspec.json.encode([response, items]))
+        if size > self.max_bytes:
+            return  # never kept: it would take the whole store
+        self._drop((tenant, response["id"]))
+        self._entries[(tenant, response["id"])] = (response, items, size)
+        self._bytes[tenant] = self._bytes.get(tenant, 0) + size
+        while len(self._entries) > self.capacity or sum(self._bytes.values()) > self.max_bytes:
+            largest = max(self._bytes, key=self._bytes.__getitem__)
+            self._drop(next(k for k in self._entries if k[0] == largest))  # its least recently used
+
+    def _drop(self, key: tuple[str | None, str]) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._bytes[key[0]] -= entry[2]
+            if not self._bytes[key[0]]:
+                del self._bytes[key[0]]
 
     def get(self, tenant: str | None, rid: str) -> tuple[dict, list[dict]] | None:
         entry = self._entries.get((tenant, rid))
-        if entry is not None:
-            self._entries.move_to_end((tenant, rid))
-        return entry
+        if entry is None:
+            return None
+        self._entries.move_to_end((tenant, rid))
+        return entry[0], entry[1]
 
 
 class _Reply:

@@ -234,6 +234,35 @@ def test_the_store_is_bounded_and_per_key():
     assert store.get("key-b", "r1") is None
 
 
+def test_one_tenant_storing_more_evicts_its_own_responses():
+    """A key that stores more than the others loses its own when the store is full, by count or
+    by bytes; a response larger than the whole store is not kept."""
+    store = ResponseStore(capacity=4, max_bytes=10_000)
+    store.put("quiet", {"id": "q0"}, [])
+    for i in range(50):
+        store.put("flood", {"id": f"f{i}"}, [])
+    assert store.get("quiet", "q0") is not None and store.get("flood", "f49") is not None
+    assert store.get("flood", "f46") is None  # its own oldest went
+    store.put("flood", {"id": "big1", "text": "x" * 6_000}, [])
+    store.put("flood", {"id": "big2", "text": "x" * 6_000}, [])  # over the bytes: flood's others go
+    assert store.get("quiet", "q0") is not None and store.get("flood", "big2") is not None
+    assert store.get("flood", "big1") is None and store.get("flood", "f49") is None
+    store.put("quiet", {"id": "huge", "text": "x" * 20_000}, [])
+    assert store.get("quiet", "huge") is None and store.get("quiet", "q0") is not None
+
+
+def test_metadata_within_openais_limits(client):
+    ok = {f"k{i}": "v" * 512 for i in range(16)}
+    assert client.responses.create(model=NAME, input="Hi", max_output_tokens=1, metadata=ok).metadata == ok
+    for bad, why in [
+        ({f"k{i}": "v" for i in range(17)}, "17 pairs, at most 16"),
+        ({"k" * 65: "v"}, "a key of 65 characters, at most 64"),
+        ({"k": "v" * 513}, "513 characters, at most 512"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=why):
+            client.responses.create(model=NAME, input="Hi", max_output_tokens=1, metadata=bad)
+
+
 def test_fields_coding_clients_send(client, story_live):
     r = client.responses.create(
         model=NAME,
