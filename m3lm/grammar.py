@@ -30,6 +30,12 @@ from m3lm.core import StructuredOutput
 
 MAX_SPEC_CHARS = 256 << 10  # a schema, regex or grammar longer than this is refused
 MAX_CHOICES = 1024
+# Counted repetitions ({n}, {n,}, {n,m}) in regexes, schema patterns and grammars: the library's
+# work grows with their counts (about with the square of a pattern's count to build it, and with
+# the count times the vocabulary to compile it), so larger counts are refused up front. Nested
+# ones multiply: their product is bounded too.
+MAX_REPEAT = 256
+MAX_REPEAT_PRODUCT = 4096
 
 
 def grammar(spec: StructuredOutput):
@@ -39,6 +45,7 @@ def grammar(spec: StructuredOutput):
 
     if len(spec.value) > MAX_SPEC_CHARS:
         raise ValueError(f"the {spec.kind} is longer than {MAX_SPEC_CHARS} characters")
+    check_repetitions(spec)
     try:
         if spec.kind == "json":
             g = json_grammar(spec.value)
@@ -65,6 +72,92 @@ def grammar(spec: StructuredOutput):
 def check(spec: StructuredOutput) -> None:
     """Raise ValueError when `spec` cannot become a grammar (cached: the same schema is checked once)."""
     grammar(spec)
+
+
+def check_repetitions(spec: StructuredOutput) -> None:
+    """ValueError naming the first counted repetition past `MAX_REPEAT` (or nested ones whose
+    counts multiply past `MAX_REPEAT_PRODUCT`) in the spec's regexes and grammars: a regex, a
+    grammar, or the `pattern` (and `regex`, `ebnf`) strings anywhere in a JSON schema or tag."""
+    if spec.kind == "regex":
+        _repetitions(spec.value, "regex", quoted=False)
+    elif spec.kind == "grammar":
+        _repetitions(spec.value, "grammar", quoted=True)
+    elif spec.kind in ("json", "structural_tag"):
+        try:
+            doc = json.loads(spec.value)
+        except ValueError:
+            return  # the library names what is wrong with it
+        stack = [doc]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    if key in ("pattern", "regex", "ebnf") and isinstance(value, str):
+                        _repetitions(value, f"{key} {value[:60]!r}", quoted=key == "ebnf")
+                    elif key == "patternProperties" and isinstance(value, dict):
+                        for pattern in value:
+                            _repetitions(pattern, f"patternProperties {pattern[:60]!r}", quoted=False)
+                    stack.append(value)
+            elif isinstance(node, list):
+                stack.extend(node)
+
+
+_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _repetitions(text: str, where: str, quoted: bool) -> None:
+    """Check the counted repetitions of one regex (or EBNF grammar, whose "string literals" are
+    skipped when `quoted`): each count, and the product of nested ones."""
+    stack = [1]  # the largest product of counts inside each open group
+    last = 1  # that of the atom just closed, which a count repeats
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i, last = i + 2, 1
+            continue
+        if c == "[":  # a character class: one atom
+            j = i + 1 + (text[i + 1 : i + 2] == "^")
+            j += text[j : j + 1] == "]"
+            while j < n and text[j] != "]":
+                j += 2 if text[j] == "\\" else 1
+            i, last = j + 1, 1
+            continue
+        if quoted and c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            i, last = j + 1, 1
+            continue
+        if c == "(":
+            stack.append(1)
+            i += 1
+            continue
+        if c == ")":
+            last = stack.pop() if len(stack) > 1 else 1
+            stack[-1] = max(stack[-1], last)
+            i += 1
+            continue
+        m = _COUNT.match(text, i) if c == "{" else None
+        if m:
+            count = max(int(m[1]), int(m[2] or 0))
+            if count > MAX_REPEAT:
+                raise ValueError(
+                    f"{where}: the repetition {m[0]} counts past {MAX_REPEAT}, this server's bound "
+                    "(a count that large makes the grammar too costly to build)"
+                )
+            last *= max(count, 1)
+            if last > MAX_REPEAT_PRODUCT:
+                raise ValueError(
+                    f"{where}: nested repetitions ending in {m[0]} repeat {last} times, past "
+                    f"{MAX_REPEAT_PRODUCT}, this server's bound (too costly a grammar to build)"
+                )
+            stack[-1] = max(stack[-1], last)
+            i = m.end()
+            continue
+        last = 1
+        stack[-1] = max(stack[-1], 1)
+        i += 1
 
 
 def _what(kind: str) -> str:

@@ -75,6 +75,7 @@ def build_app(
     async def lifespan(_: FastAPI):
         yield
         state.draining = True
+        state.checks.close()
         engine.stop()
 
     # No trailing-slash redirects: their Location would be built from the client's Host header.

@@ -19,6 +19,7 @@ from m3lm.server.handlers import (
     ServerState,
     Slots,
     check_output,
+    check_rules,
     collect_choices,
     collect_unless_gone,
     merge,
@@ -59,7 +60,9 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
         if req.response_format is not None or req.structured_outputs is not None:
             if tok is None:
                 raise ValueError("structured output needs the model's tokenizer")
-            params = replace(params, structured=await run_in_threadpool(completion_rules, req))
+            rules = completion_rules(req)
+            await check_rules(state, request, rules)
+            params = replace(params, structured=rules)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     slots = Slots(state)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from m3lm.core import SamplingParams, StepOutput
+from m3lm.core import SamplingParams, StepOutput, StructuredOutput
 from m3lm.engine.async_engine import (
     AsyncEngine,
     EngineDead,
@@ -33,6 +33,7 @@ from m3lm.server.choice import (
     token_logprobs,
     vllm_prompt_logprobs,
 )
+from m3lm.server.grammar_checks import ChecksBusy, GrammarChecks
 from m3lm.server.metrics import Metrics
 from m3lm.server.protocol import ChatCompletionRequest, Limits, error_body, error_body_for
 from m3lm.server.structured import chat_rules
@@ -67,6 +68,7 @@ class ServerState:
     fmt: ReplyFormat | None = None
     draining: bool = False
     salt_by_tenant: bool = False  # prefix-cache pages shared only among requests with one API key
+    checks: GrammarChecks = field(default_factory=GrammarChecks)  # structured output's, bounded
 
     @property
     def max_model_len(self) -> int:
@@ -251,10 +253,23 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request: 
         )
         mode = detect_thinking_mode(prompt_ids, state.fmt.reasoning) if state.fmt else None
         rules, thinking = await run_in_threadpool(chat_rules, req, tool_dicts, plan, state.fmt, mode)
+        await check_rules(state, request, rules)
         params = replace(params, structured=rules, thinking=thinking)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     return ChatPrompt(prompt_ids, params, plan, tool_dicts, req.stops(), req.n)
+
+
+async def check_rules(state: ServerState, request: Request, rules: StructuredOutput | None) -> None:
+    """Whether `rules` can be enforced (`GrammarChecks`): ValueError naming why not (a 400), or
+    an ApiError when the checks cannot take it now (429, 503)."""
+    if rules is None:
+        return
+    try:
+        await state.checks.check(rules, getattr(request.state, "tenant", None))
+    except ChecksBusy as e:
+        kind = "rate_limit_error" if e.status == 429 else "server_error"
+        raise ApiError(e.status, str(e), kind, headers={"Retry-After": "1"}) from None
 
 
 def admit_chat(state: ServerState, prompt: ChatPrompt) -> tuple[Slots, list[Choice]]:

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from m3lm.core import StructuredOutput, ThinkingControl
-from m3lm.grammar import M3Tokens, check, grammar, m3_tool_calls
+from m3lm.grammar import M3Tokens, grammar, m3_tool_calls
 from m3lm.text.reasoning import ReplyFormat, ThinkingMode
 from m3lm.text.schema_values import ToolChoicePlan
 
@@ -134,20 +134,16 @@ def chat_rules(
     fmt: ReplyFormat | None,
     mode: ThinkingMode | None,
 ) -> tuple[StructuredOutput | None, ThinkingControl | None]:
-    """A chat request's output rules, checked (ValueError names what cannot be enforced)."""
+    """A chat request's output rules (ValueError names what cannot be enforced), to be checked
+    (`GrammarChecks`)."""
     answer = answer_format(req.response_format, req.structured_outputs)
     rules = output_rules(answer, tools, req.tool_choice, plan, req.parallel_tool_calls, fmt)
-    if rules is not None:
-        check(rules)
     return rules, thinking_control(fmt, mode, req.thinking_token_budget, rules is not None)
 
 
 def completion_rules(req: Any) -> StructuredOutput | None:
-    """A text completion's output rule (from its first token), checked."""
-    rules = answer_format(req.response_format, req.structured_outputs)
-    if rules is not None:
-        check(rules)
-    return rules
+    """A text completion's output rule (from its first token), to be checked (`GrammarChecks`)."""
+    return answer_format(req.response_format, req.structured_outputs)
 
 
 def thinking_control(

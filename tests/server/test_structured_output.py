@@ -279,6 +279,41 @@ def test_n_choices_each_follow_the_schema(client):
         jsonschema.validate(json.loads(c.message.content), schema)
 
 
+def test_repetitions_whose_cost_explodes_are_refused_at_once(client, server):
+    """Counted repetitions past the bound, in a schema's pattern, a regex, a tool's schema or a
+    grammar, nested or not: a 400 that names them, before anything is built; a plain request
+    beside them is served, and the same schema again is refused the same way."""
+    import httpx
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]{100000}"}}}
+    nested = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(([a-z]{64}){64}){2}"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    cases = [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            "{100000}",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": nested}}},
+            "8192 times",
+        ),
+        ({"extra_body": {"structured_outputs": {"regex": "(ab|c){0,5000}"}}}, "{0,5000}"),
+        ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "a"{300}'}}}, "{300}"),
+        ({"tools": [tool], "tool_choice": "required"}, "{100000}"),
+    ]
+    for extra, why in cases * 2:
+        with pytest.raises(openai.BadRequestError, match="past") as e:
+            client.chat.completions.create(
+                model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4, **extra
+            )
+        assert why in str(e.value) and "bound" in str(e.value)
+    r = client.completions.create(model=NAME, prompt="Once", max_tokens=2)
+    assert r.choices[0].text
+    body = {"model": NAME, "prompt": "Once", "max_tokens": 2, "structured_outputs": {"regex": "a{257}"}}
+    refused = httpx.post(server + "/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and "{257}" in refused.json()["error"]["message"]
+
+
 def test_what_cannot_be_enforced_is_a_400_that_says_why(client):
     bad = [
         (
