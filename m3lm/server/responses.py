@@ -19,9 +19,9 @@ The mapping:
   `parallel_tool_calls` as in chat, with the same enforcement; `max_output_tokens` is
   `max_tokens`; `text.format` is chat's `response_format`, with the same support;
   `text.verbosity` is accepted and ignored;
-- `previous_response_id` continues a stored response: the last `STORED` responses with
-  `store` (default true) are kept in this process (least recently used first out), each within
-  its API key's namespace, and `GET /v1/responses/{id}` returns them;
+- `previous_response_id` continues a stored response: responses made with `store` (default
+  true) are kept in this process (`response_store`: bounded, fair between keys), each within its
+  API key's namespace, and `GET /v1/responses/{id}` returns them;
 - accepted and ignored: `include` (`reasoning.encrypted_content`: the reasoning text is always in
   the reasoning item), `prompt_cache_key` (prefix caching is automatic), `client_metadata`,
   `metadata` (echoed), `user`, `service_tier`, `safety_identifier`, `truncation: "disabled"`;
@@ -35,7 +35,6 @@ import copy
 import logging
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
@@ -55,13 +54,12 @@ from m3lm.server.handlers import (
     reply_events,
 )
 from m3lm.server.protocol import ChatCompletionRequest, _Body, documented_errors
+from m3lm.server.response_store import ResponseStore
 from m3lm.text.reasoning import ReasoningText, ReplyEvent
 from m3lm.text.tool_calls import ToolCallArguments, ToolCallHeader
 
 _json = msgspec.json.Encoder().encode
 log = logging.getLogger("m3lm.server")
-STORED = 256  # responses kept for previous_response_id and GET
-STORED_BYTES = 64 << 20  # and their JSON's bytes at most
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 _EFFORT_MODES = {
     "none": "disabled",
@@ -419,43 +417,6 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
 
 def _id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
-
-
-class ResponseStore:
-    """Stored responses with the items of their conversation, by id within one API key's
-    namespace (a tenant), at most `capacity` of them and `max_bytes` of their JSON. When full,
-    the tenant holding the most bytes loses its least recently used one: a tenant that stores
-    more than the others evicts its own responses, not theirs."""
-
-    def __init__(self, capacity: int = STORED, max_bytes: int = STORED_BYTES) -> None:
-        self.capacity, self.max_bytes = capacity, max_bytes
-        self._entries: OrderedDict[tuple[str | None, str], tuple[dict, list[dict], int]] = OrderedDict()
-        self._bytes: dict[str | None, int] = {}  # each tenant's, of what it stores
-
-    def put(self, tenant: str | None, response: dict, items: list[dict]) -> None:
-        size = len(msgspec.json.encode([response, items]))
-        if size > self.max_bytes:
-            return  # never kept: it would take the whole store
-        self._drop((tenant, response["id"]))
-        self._entries[(tenant, response["id"])] = (response, items, size)
-        self._bytes[tenant] = self._bytes.get(tenant, 0) + size
-        while len(self._entries) > self.capacity or sum(self._bytes.values()) > self.max_bytes:
-            largest = max(self._bytes, key=self._bytes.__getitem__)
-            self._drop(next(k for k in self._entries if k[0] == largest))  # its least recently used
-
-    def _drop(self, key: tuple[str | None, str]) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._bytes[key[0]] -= entry[2]
-            if not self._bytes[key[0]]:
-                del self._bytes[key[0]]
-
-    def get(self, tenant: str | None, rid: str) -> tuple[dict, list[dict]] | None:
-        entry = self._entries.get((tenant, rid))
-        if entry is None:
-            return None
-        self._entries.move_to_end((tenant, rid))
-        return entry[0], entry[1]
 
 
 class _Reply:

@@ -16,7 +16,8 @@ import pytest
 from openai.types.shared import Reasoning
 
 from m3lm.server.protocol import Limits
-from m3lm.server.responses import ResponseStore, chat_messages
+from m3lm.server.response_store import ResponseStore
+from m3lm.server.responses import chat_messages
 from tests.support.live_server import API_KEY, stalled_engine, wait_idle
 from tests.support.story_server import NAME, failing_after, scripted, tool_call_ids
 
