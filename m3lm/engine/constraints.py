@@ -30,6 +30,7 @@ import enum
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -88,6 +89,24 @@ class Grammars:
             if old.done() and old.exception() is None:
                 size -= old.result().memory_size_bytes
 
+    def refuse(self, spec: StructuredOutput, error: str) -> str:
+        """Remember `spec` as refused with `error` (its compile, if running, is left to end);
+        returns the error."""
+        future: Future = Future()
+        future.set_exception(ValueError(error))
+        with self._lock:
+            self._cache[spec] = future
+            self._cache.move_to_end(spec)
+            self._evict()
+        return error
+
+    def release(self, spec: StructuredOutput, future: Future) -> None:
+        """No request waits for `spec`'s compile any more: cancel it if it has not started."""
+        if future.cancel():
+            with self._lock:
+                if self._cache.get(spec) is future:
+                    del self._cache[spec]
+
     def _compile(self, spec: StructuredOutput):
         from m3lm.grammar import grammar
 
@@ -142,6 +161,7 @@ class Constraint:
 
     def __init__(self, grammar: Future | None, thinking: ThinkingControl | None) -> None:
         self._grammar = grammar
+        self.since = time.monotonic()  # for the compile budget
         self.matcher = None
         self.thinking = thinking
         mode = thinking.mode if thinking is not None else "disabled"
@@ -162,11 +182,18 @@ class Constraint:
         import xgrammar as xgr
 
         try:
-            self.matcher = xgr.GrammarMatcher(self._grammar.result())
+            compiled = self._grammar.result()
+            matcher = xgr.GrammarMatcher(compiled)
         except Exception as e:
             from m3lm.grammar import library_message
 
-            return f"structured output: {library_message(e)}"
+            message = library_message(e)  # a refusal `Grammars.refuse` kept says so already
+            return message if message.startswith("structured output:") else f"structured output: {message}"
+        first = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+        matcher.fill_next_token_bitmask(first, 0)
+        if not first.any():  # nothing can be generated: not even its end
+            return "structured output: the grammar admits no token (nothing can match it)"
+        self.matcher = matcher
         return None
 
     @property

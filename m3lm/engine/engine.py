@@ -38,6 +38,7 @@ from m3lm.scheduler import Scheduler
 log = logging.getLogger("m3lm.engine")
 GIB = 1 << 30
 MAX_GRAPH_ROWS = 256  # rows of the largest decode graph; a larger step runs eagerly
+GRAMMAR_COMPILE_BUDGET_S = 60.0  # a request waits this long for its grammar at most
 
 
 @dataclass(frozen=True)
@@ -290,15 +291,31 @@ class LLMEngine:
         return Constraint(grammar, params.thinking)
 
     def _start_grammars(self) -> list[StepOutput]:
-        """Give each request whose grammar has compiled its matcher; fail those that could not compile."""
-        results, waiting = [], []
+        """Give each request whose grammar has compiled its matcher; fail those that could not
+        compile, or not within the compile budget (the grammar is then remembered as refused);
+        cancel the compiles no request waits for any more."""
+        results, waiting, left = [], [], []
+        now = time.monotonic()
         for seq in self._compiling:
+            c = seq.constraint
             if seq.finished:
-                continue
-            if seq.constraint.compiling:
-                waiting.append(seq)
-            elif (error := seq.constraint.start()) is not None:
+                left.append(seq)
+            elif c.compiling and now - c.since > GRAMMAR_COMPILE_BUDGET_S:
+                error = self.grammars.refuse(
+                    seq.params.structured,
+                    f"structured output: the grammar took longer than {GRAMMAR_COMPILE_BUDGET_S:g} s to "
+                    "compile (this server's budget): simplify it",
+                )
                 results.append(self.fail(seq, error))
+                left.append(seq)
+            elif c.compiling:
+                waiting.append(seq)
+            elif (error := c.start()) is not None:
+                results.append(self.fail(seq, error))
+        awaited = {id(s.constraint._grammar) for s in waiting}
+        for seq in left:
+            if id(seq.constraint._grammar) not in awaited:
+                self.grammars.release(seq.params.structured, seq.constraint._grammar)
         self._compiling = waiting
         return results
 

@@ -378,6 +378,8 @@ def prompt_logprobs_field(state: ServerState, req, c: Choice) -> dict:
 def check_output(out: StepOutput) -> None:
     if out.finish_reason == "error":
         detail = out.error or "unknown error"
+        if detail.startswith("structured output:"):  # the request's grammar, not the server
+            raise ApiError(400, detail)
         raise ApiError(500, f"generation failed: {detail}", "internal_error")
 
 

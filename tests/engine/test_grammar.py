@@ -373,6 +373,71 @@ def test_a_grammar_that_cannot_compile_ends_its_request_with_an_error_and_others
     assert good.finish_reason == "length"
 
 
+def test_a_grammar_that_admits_no_token_ends_its_request_and_others_go_on(story):
+    _, tok = story
+    engine = engine_of(story)
+    prompt = tok.encode("Once")
+    none = StructuredOutput("regex", "[^\\x00-\\U0010FFFF]")  # a class of no character
+    bad = engine.add_request(prompt, SamplingParams(max_tokens=5, structured=none))
+    good = engine.add_request(
+        prompt, SamplingParams(max_tokens=5, structured=StructuredOutput("regex", "a+"))
+    )
+    errors = []
+    while engine.has_unfinished() or engine._compiling:
+        errors += [o.error for o in engine.step() if o.finish_reason == "error"]
+    assert bad.finish_reason == "error" and errors == [
+        "structured output: the grammar admits no token (nothing can match it)"
+    ]
+    assert good.finish_reason == "length" and good.output_ids
+
+
+def test_a_compile_past_its_budget_is_refused_and_a_queued_one_nobody_waits_for_is_cancelled(
+    story, monkeypatch
+):
+    """Compiles run on two threads: with both held, a request past the budget fails (and its
+    grammar stays refused: the next request for it fails at once), and a queued compile whose
+    requests were all aborted never runs."""
+    import threading
+
+    from m3lm.engine import constraints
+    from m3lm.engine import engine as engine_mod
+
+    _, tok = story
+    engine = engine_of(story)
+    gate, compiled = threading.Event(), []
+    real = constraints.Grammars._compile
+
+    def held(self, spec):
+        compiled.append(spec.value)
+        assert gate.wait(30)
+        return real(self, spec)
+
+    monkeypatch.setattr(constraints.Grammars, "_compile", held)
+    prompt = tok.encode("Once")
+    specs = [StructuredOutput("regex", p) for p in ("a+", "b+", "c+")]
+    first, second, queued = (
+        engine.add_request(prompt, SamplingParams(max_tokens=3, structured=s)) for s in specs
+    )
+    engine.abort(queued.request_id)  # its compile waits behind the two held ones
+    monkeypatch.setattr(engine_mod, "GRAMMAR_COMPILE_BUDGET_S", 0.0)
+    out = engine.step()
+    assert {o.request_id: o.error for o in out} == {
+        r.request_id: "structured output: the grammar took longer than 0 s to compile (this server's budget): simplify it"
+        for r in (first, second)
+    }
+    gate.set()
+    again = engine.add_request(prompt, SamplingParams(max_tokens=3, structured=specs[0]))
+    monkeypatch.setattr(engine_mod, "GRAMMAR_COMPILE_BUDGET_S", 60.0)
+    errors = []
+    while engine.has_unfinished() or engine._compiling:
+        errors += [o.error for o in engine.step() if o.request_id == again.request_id]
+    assert again.finish_reason == "error" and errors[0].startswith(
+        "structured output: the grammar took longer"
+    )
+    engine.grammars._pool.shutdown(wait=True)
+    assert sorted(compiled) == ["a+", "b+"]  # c+ was cancelled before it ran
+
+
 def test_a_tool_call_reply_ends_with_the_block_and_parses(story, fmt, ids):
     """The engine path of a forced call, thinking on with a budget: the reply reasons, closes,
     calls, and stops; the reply parser finds the call."""

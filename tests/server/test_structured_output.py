@@ -365,6 +365,7 @@ def test_what_cannot_be_enforced_is_a_400_that_says_why(client):
             },
             "cannot be combined",
         ),
+        ({"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}, "admits no token"),  # after its compile
     ]
     for body, words in bad:
         with pytest.raises(openai.BadRequestError, match=words):
