@@ -38,7 +38,7 @@ async def chat_completion(state: ServerState, req: ChatCompletionRequest, reques
             await collect_unless_gone(request, collect_choices(state, slots.streams, choices))
         finally:
             slots.release()
-        return reply.whole(choices)
+        return await state.json_reply(reply.whole, choices)
     except BaseException:
         slots.release()
         raise

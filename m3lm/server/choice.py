@@ -34,6 +34,23 @@ class Choice(ReplyText):
         return self.parsed().message()
 
 
+# Prompt logprob entries one reply may list (prompt tokens x alternatives x choices): such a
+# reply grows with the prompt, so past this it is a 400 before anything runs.
+MAX_PROMPT_LOGPROBS = 1 << 18
+
+
+def check_prompt_logprobs(prompt_tokens: int, per_token: int, n: int) -> None:
+    """ValueError when a reply scoring `prompt_tokens` tokens with `per_token` entries each (the
+    token and its alternatives, in every form asked for) in each of `n` choices is too large."""
+    entries = prompt_tokens * per_token * n
+    if entries > MAX_PROMPT_LOGPROBS:
+        raise ValueError(
+            f"this reply would list {entries:,} prompt logprobs ({prompt_tokens} prompt tokens x "
+            f"{per_token} entries x n = {n}), over this server's bound of {MAX_PROMPT_LOGPROBS:,}: "
+            "ask for fewer alternatives, fewer choices or a shorter prompt"
+        )
+
+
 # What a logprob that is -inf (a token structured output forbids) is sent as, whole and streamed:
 # JSON has no infinity, and OpenAI's schema has no null there.
 LOGPROB_FLOOR = -9999.0

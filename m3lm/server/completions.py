@@ -12,7 +12,14 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from m3lm.core import check_prompt_length
-from m3lm.server.choice import Choice, completion_logprobs, echo_logprobs, token_logprobs, usage
+from m3lm.server.choice import (
+    Choice,
+    check_prompt_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    token_logprobs,
+    usage,
+)
 from m3lm.server.handlers import (
     ApiError,
     RequestStream,
@@ -53,6 +60,11 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
             else:  # before any copy of a long list
                 check_prompt_length(len(p), state.max_model_len)
             ids.append(list(p))
+        per_token = (req.prompt_logprobs + 1 if req.prompt_logprobs is not None else 0) + (
+            req.logprobs + 1 if req.echo and req.logprobs is not None else 0
+        )
+        if per_token:
+            check_prompt_logprobs(sum(map(len, ids)), per_token, req.n)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = req.sampling(
             state.defaults, max_tokens, req.logprobs, req.stops(), prompt_logprobs=req.scored_prompt()
@@ -84,7 +96,7 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
             await collect_unless_gone(request, collect_choices(state, slots.streams, choices))
         finally:
             slots.release()
-        return reply.whole(choices)
+        return await state.json_reply(reply.whole, choices)
     except BaseException:
         slots.release()
         raise
@@ -161,7 +173,11 @@ class _Reply:
                 check_output(out)
                 if c.echo is not None:  # the prompt first: its text, and its tokens' logprobs if asked
                     c.prompt_logprobs = out.prompt_logprobs
-                    head = echo_logprobs(tok, c) if c.prompt_logprobs is not None else []
+                    head = (
+                        await self.state.offload(echo_logprobs, tok, c)
+                        if c.prompt_logprobs is not None
+                        else []
+                    )
                     extra = {"logprobs": completion_logprobs(head, c.offset)} if head else {}
                     c.offset += sum(len(e["token"]) for e in head)
                     yield self._text(i, c.echo, extra)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from m3lm.core import SamplingParams, StepOutput, StructuredOutput
@@ -30,6 +31,7 @@ from m3lm.engine.async_engine import (
 )
 from m3lm.server.choice import (
     Choice,
+    check_prompt_logprobs,
     token_logprobs,
     vllm_prompt_logprobs,
 )
@@ -69,6 +71,16 @@ class ServerState:
     draining: bool = False
     salt_by_tenant: bool = False  # prefix-cache pages shared only among requests with one API key
     checks: GrammarChecks = field(default_factory=GrammarChecks)  # structured output's, bounded
+    # whole replies built and encoded off the event loop: their logprobs grow with the prompt
+    replies: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "m3lm-reply"))
+
+    async def offload(self, fn, *args):
+        """fn(*args) on the replies' threads (what grows with a prompt never runs on the loop)."""
+        return await asyncio.wrap_future(self.replies.submit(fn, *args))
+
+    async def json_reply(self, build, *args) -> Response:
+        """The JSON response of build(*args), built and encoded on the replies' threads."""
+        return Response(await self.offload(lambda: _json(build(*args))), media_type="application/json")
 
     @property
     def max_model_len(self) -> int:
@@ -251,6 +263,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request: 
         params = req.sampling(
             state.defaults, max_tokens, req.requested_logprobs(), [], prompt_logprobs=req.prompt_logprobs
         )
+        if req.prompt_logprobs is not None:
+            check_prompt_logprobs(len(prompt_ids), req.prompt_logprobs + 1, req.n)
         mode = detect_thinking_mode(prompt_ids, state.fmt.reasoning) if state.fmt else None
         rules, thinking = await run_in_threadpool(chat_rules, req, tool_dicts, plan, state.fmt, mode)
         await check_rules(state, request, rules)

@@ -196,3 +196,43 @@ def test_logprobs_under_a_grammar_are_finite_whole_and_streamed(client):
     assert all(v >= -9999.0 for row in values for v in row)
     assert any(v == -9999.0 for row in values for v in row)  # a forbidden alternative
     assert all(e.logprob > -9999.0 for e in whole)  # the chosen tokens are allowed
+
+
+def test_prompt_logprob_replies_are_bounded(served, client, monkeypatch):
+    """A reply listing more prompt logprobs than the bound (prompt tokens x entries x n; the
+    bound lowered here to fit this model's short context) is a 400 that says so, before it
+    runs, on completions and chat; within it the same kind of request is served."""
+    from m3lm.server import choice
+
+    _, _, tok = served
+    ids = tok.encode(TEXTS[0])
+    monkeypatch.setattr(choice, "MAX_PROMPT_LOGPROBS", 40 * len(ids))
+    over = dict(model=NAME, prompt=ids, max_tokens=1, n=2, echo=True, logprobs=5)
+    with pytest.raises(openai.BadRequestError, match=f"{2 * 27 * len(ids):,} prompt logprobs .* bound of"):
+        client.completions.create(**over, extra_body={"prompt_logprobs": 20})  # 6 + 21 entries a token
+    messages = [{"role": "user", "content": TEXTS[0]}]
+    with pytest.raises(openai.BadRequestError, match="over this server's bound"):
+        client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=1, n=2, extra_body={"prompt_logprobs": 20}
+        )
+    ok = client.completions.create(**over, extra_body={"prompt_logprobs": 2})  # 6 + 3 entries a token
+    assert len(ok.choices[1].model_extra["prompt_logprobs"]) == len(ids) and ok.choices[1].logprobs.tokens
+
+
+def test_whole_replies_are_built_off_the_event_loop():
+    import asyncio
+    import threading
+
+    from m3lm.server.handlers import ServerState
+
+    state = ServerState(None, None, "m", None, None, None)
+
+    async def main():
+        loop = threading.current_thread().name
+        response = await state.json_reply(lambda: {"built on": threading.current_thread().name})
+        return loop, response
+
+    loop, response = asyncio.run(main())
+    built = response.body.decode()
+    assert "m3lm-reply" in built and loop not in built
+    state.replies.shutdown()
