@@ -50,8 +50,6 @@ from m3lm.text.reasoning import ReplyFormat
 from m3lm.text.schema_values import template_messages
 
 log = logging.getLogger("m3lm.server")
-# uvicorn refuses larger header blocks itself (with a 400); below that RequestLimits answers 431.
-UVICORN_MAX_HEADERS = 1 << 20
 
 
 def build_app(
@@ -251,8 +249,8 @@ def create_server_app(
     # Without a tokenizer prompts are token ids: 24 bytes of JSON each at most, as 2 characters are.
     chars = tokenizer.max_token_chars if tokenizer is not None else 2
     bound = body_bound(limits, state.max_prompt_tokens, chars)
-    guarded = RequestLimits(app, bound, limits.max_header_bytes, limits.body_timeout_s)
     public = {"/health", *(web.PATHS if web_ui else ())}
+    guarded = RequestLimits(app, bound, limits.max_header_bytes, limits.body_timeout_s, public)
     return JsonErrors(ApiKeyAuth(guarded, keys, public) if keys else guarded)
 
 
@@ -263,7 +261,9 @@ def server_config(app, limits: Limits, grace_s: float, **kwargs) -> uvicorn.Conf
         http=guarded_h11(limits),
         timeout_keep_alive=limits.idle_timeout_s,
         timeout_graceful_shutdown=grace_s,
-        h11_max_incomplete_event_size=UVICORN_MAX_HEADERS,
+        # unfinished headers are held up to the header bound and room for the request line (h11
+        # refuses more itself with a 431); RequestLimits answers a 431 past the bound
+        h11_max_incomplete_event_size=limits.max_header_bytes + (8 << 10),
         ws="none",  # no WebSocket route: an upgrade request is an HTTP request like the rest
         **kwargs,
     )

@@ -104,18 +104,23 @@ class ApiKeyAuth:
 
 class RequestLimits:
     """Pure ASGI: headers over `header_limit` bytes get 431, bodies over `limit` get 413, and a body
-    that has not fully arrived `body_timeout_s` after the headers gets 408.
+    that has not fully arrived `body_timeout_s` after the headers gets 408. The `public` paths
+    (those served without a key) take no body: a request announcing one gets a 413 at once, before
+    any of it is read, and its connection closes.
 
     The body is read (at most `limit` bytes) before the app sees the request.
     """
 
-    def __init__(self, app, limit: int, header_limit: int, body_timeout_s: float):
+    def __init__(
+        self, app, limit: int, header_limit: int, body_timeout_s: float, public: Collection[str] = ()
+    ):
         self.app, self.limit, self.header_limit, self.body_timeout_s = (
             app,
             limit,
             header_limit,
             body_timeout_s,
         )
+        self.public = frozenset(public)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -124,7 +129,15 @@ class RequestLimits:
         if sum(len(k) + len(v) + 4 for k, v in raw) > self.header_limit:
             message = f"request headers over {self.header_limit} bytes"
             return await send_error(send, 431, message, path=scope["path"])
-        length = dict(raw).get(b"content-length")
+        headers = dict(raw)
+        if scope["path"] in self.public and (
+            headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        ):
+            message = f"{scope['path']} takes no request body"
+            return await send_error(
+                send, 413, message, extra_headers=[(b"connection", b"close")], path=scope["path"]
+            )
+        length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await send_error(send, 413, f"request body over {self.limit} bytes", path=scope["path"])
         try:

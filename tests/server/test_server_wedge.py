@@ -225,6 +225,39 @@ def test_a_client_trickling_a_refused_body_is_cut_off(live, client, headers, sta
     still_serves(live, client)
 
 
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        "POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 30000000\r\n\r\n",
+        "GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n",
+        "POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+    ],
+)
+def test_a_public_path_takes_no_body_and_closes_the_connection(live, client, request_head):
+    """/health (served without a key) answers a request announcing a body at once, before any
+    of it is read, and closes: a key-less client trickling bodies there holds no slot."""
+    s = connect(live)
+    s.sendall(request_head.encode() + b"{")
+    answer = read_response(s)
+    assert answer.startswith(b"HTTP/1.1 413") and b"takes no request body" in answer
+    assert closed_within(s, 5.0)
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200  # without a body: served
+    still_serves(live, client)
+
+
+def test_unfinished_headers_are_held_only_up_to_their_bound(live, client):
+    """Header bytes without an end are refused once they pass the header bound (and a little
+    room for the request line), not buffered up to megabytes."""
+    s = connect(live)
+    s.sendall(
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"x" * (live.limits.max_header_bytes + (16 << 10))
+    )
+    answer = read_response(s)
+    assert answer.startswith(b"HTTP/1.1 431") and b'"invalid_request_error"' in answer
+    assert closed_within(s, 5.0)
+    still_serves(live, client)
+
+
 def test_idle_sockets_cannot_lock_a_client_out(live, client):
     """Past the connection cap the longest idle connection is closed for the newcomer."""
     cap = live.limits.max_connections
