@@ -211,7 +211,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> None:
-            raise ValueError(f"{name} = {getattr(self, name)!r}: {rule}")
+            value = repr(getattr(self, name))  # shown in part: an error never echoes a huge value
+            raise ValueError(f"{name} = {value if len(value) <= 80 else value[:60] + ' ...'}: {rule}")
 
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))

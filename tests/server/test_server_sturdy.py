@@ -311,6 +311,11 @@ def test_logit_bias_and_refused_fields(client, live):
         client.chat.completions.create(
             model=NAME, messages=MSG, max_tokens=1, response_format={"type": "json_schema"}
         )
+    huge = {str(i): 1 for i in range(50_000)}  # far past the entries allowed
+    r = httpx.post(live.url + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"model": NAME, "prompt": "hi", "max_tokens": 1, "logit_bias": huge})  # fmt: skip
+    assert r.status_code == 400 and "at most" in r.json()["error"]["message"]
+    assert len(r.content) < 1000  # the answer names the rule without echoing the value
 
 
 # --- SIGTERM: a drain, then an error event for what is still open ----------------------------------
