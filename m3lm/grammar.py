@@ -46,6 +46,8 @@ def grammar(spec: StructuredOutput):
     if len(spec.value) > MAX_SPEC_CHARS:
         raise ValueError(f"the {spec.kind} is longer than {MAX_SPEC_CHARS} characters")
     check_repetitions(spec)
+    if spec.kind == "json":
+        check_required(spec.value)
     try:
         if spec.kind == "json":
             g = json_grammar(spec.value)
@@ -100,6 +102,35 @@ def check_repetitions(spec: StructuredOutput) -> None:
                     stack.append(value)
             elif isinstance(node, list):
                 stack.extend(node)
+
+
+def check_required(schema: str) -> None:
+    """ValueError for an object schema whose `required` names a property it cannot have (none of
+    its `properties`, and no other property allowed): enforced strictly, it could only give `{}`."""
+    try:
+        doc = json.loads(schema)
+    except ValueError:
+        return  # the library names what is wrong with it
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend(node.values())
+        required, props = node.get("required"), node.get("properties")
+        if not isinstance(required, list) or not isinstance(props, dict):
+            continue  # a `required` beside no `properties` may apply to another subschema's
+        if node.get("additionalProperties") not in (None, False) or node.get("patternProperties"):
+            continue  # other properties may carry it
+        missing = [r for r in required if isinstance(r, str) and r not in props]
+        if missing:
+            raise ValueError(
+                f"the JSON schema cannot be used: required names {missing[0]!r}, which is not among "
+                "its properties (and no other property is allowed)"
+            )
 
 
 _COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")

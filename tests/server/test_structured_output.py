@@ -366,6 +366,22 @@ def test_what_cannot_be_enforced_is_a_400_that_says_why(client):
             "cannot be combined",
         ),
         ({"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}, "admits no token"),  # after its compile
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {
+                            "type": "object",
+                            "properties": {"a": {"type": "integer"}},
+                            "required": ["b"],
+                        },
+                    },
+                }
+            },
+            "required names 'b', which is not among its properties",
+        ),
     ]
     for body, words in bad:
         with pytest.raises(openai.BadRequestError, match=words):
