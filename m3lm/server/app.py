@@ -198,8 +198,9 @@ def build_app(
         try:
             if req.messages is not None:
                 msgs = template_messages([m.for_template() for m in req.messages])
+                tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
                 ids = await run_in_threadpool(
-                    tokenizer.chat_prompt, msgs, None, True, req.chat_template_kwargs, limit
+                    tokenizer.chat_prompt, msgs, tools, True, req.chat_template_kwargs, limit
                 )
             else:
                 tokenizer.check_fits(req.prompt, limit)

@@ -383,6 +383,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # rendered with the messages, as chat renders them
     chat_template_kwargs: dict[str, Any] | None = None
 
 

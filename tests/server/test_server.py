@@ -145,6 +145,11 @@ def test_models_tokenize_detokenize(client, live):
     assert d["prompt"] == "once upon"
     chat = httpx.post(live.url + "/tokenize", json={"messages": MSG}, headers=auth).json()
     assert chat["count"] > t["count"]
+    # with tools: the prompt a chat request with those tools is given, token for token
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    counted = httpx.post(live.url + "/tokenize", json={"messages": MSG, "tools": tools}, headers=auth).json()
+    used = client.chat.completions.create(model=NAME, messages=MSG, tools=tools, max_tokens=1).usage
+    assert counted["count"] == used.prompt_tokens > chat["count"]
 
 
 def metric(live, name: str) -> float:
