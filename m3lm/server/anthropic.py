@@ -455,18 +455,26 @@ async def _stream(
     streams: list[RequestStream],
     c: Choice,
 ) -> AsyncIterator[bytes]:
-    start = _message(rid, model, [], None, {"input_tokens": prompt_tokens, "output_tokens": 0})
-    yield _sse({"type": "message_start", "message": start})
+    # message_start waits for the first output, whose prefix-cache count its usage needs (so it
+    # is the usage of the whole reply), or for the first keep-alive of a long prefill
+    started = False
     blocks = ContentBlocks(signer)
     events = reply_events(streams, [c], state.limits.keepalive_s)
     try:
         async for item in events:
+            if not started:
+                started = True
+                usage = {**_usage(prompt_tokens, c), "output_tokens": 0}
+                yield _sse({"type": "message_start", "message": _message(rid, model, [], None, usage)})
             if item is None:
                 yield _sse({"type": "ping"})
                 continue
             for ev in item[1]:
                 for data in blocks.feed(ev):
                     yield _sse(data)
+        if not started:  # no output at all
+            usage = {**_usage(prompt_tokens, c), "output_tokens": 0}
+            yield _sse({"type": "message_start", "message": _message(rid, model, [], None, usage)})
         for data in blocks.close():
             yield _sse(data)
         reason, sequence = stop_reason(c)

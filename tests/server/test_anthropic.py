@@ -103,7 +103,13 @@ def test_create_agrees_with_chat_completions_streamed_and_not(client, chat, mode
         )
     )
     check_order(events)
-    assert events[0].message.usage.input_tokens == ref.usage.prompt_tokens
+    start, end = events[0].message.usage, events[-2].usage  # message_start, message_delta
+    assert start.input_tokens + start.cache_read_input_tokens == ref.usage.prompt_tokens
+    assert (start.input_tokens, start.cache_read_input_tokens) == (
+        end.input_tokens,
+        end.cache_read_input_tokens,
+    )
+    assert start.cache_read_input_tokens > 0  # the same prompt again: its pages were cached
     with client.messages.stream(model=NAME, max_tokens=16, messages=STORY, thinking=thinking, **GREEDY) as s:
         final = s.get_final_message()
     assert blocks(final.content) == blocks(m.content)  # the same text signs the same
