@@ -116,7 +116,8 @@ TAILS_INTERPRETER = [64 + 10, 128 + 25, 64 + 40, 20, 64, 64 + 30, 64 + 16, 64 + 
 )
 def test_merged_moe_tails_equal_their_own_tiles(device, dtype, counts, c, i, align, config, tail):
     """Short last blocks taken by their expert's previous block (`moe_triton._tail`): bitwise the
-    same outputs as with each block in its own tile, and the reference. One expert per token, so
+    same outputs as with each block in its own tile on the GPU (within rounding in Triton's
+    interpreter), and the reference. One expert per token, so
     each expert's count picks the case: tails after whole blocks, half-height last blocks, long
     ones, lone short experts. config None: the prefill's own tiles."""
     gen = torch.Generator(device="cpu").manual_seed(tail)
@@ -140,7 +141,10 @@ def test_merged_moe_tails_equal_their_own_tiles(device, dtype, counts, c, i, ali
         outs.append(
             moe_triton.grouped_gemm(h, w2, m, 1, aligned, True, w, F32, down_m, down_cfg, True, tail=merged)
         )
-    assert torch.equal(outs[0], outs[1])
+    if device == "cuda":  # the same products in other tiles: bit for bit
+        assert torch.equal(outs[0], outs[1])
+    else:  # the interpreter's products are numpy's, whose rounding follows the product's shape
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-7)
     ref = moe_experts_ref(x.float(), weights, ids, w1.float(), w3.float(), w2.float(), 1.702, 7.0)
     assert rel(outs[1], ref) < (1e-4 if dtype == F32 else 2e-2)
 
