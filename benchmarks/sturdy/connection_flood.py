@@ -17,7 +17,7 @@ cores) is on record beside it. Check: every request during the flood is answered
 `--max-s` (2 s). Also reported: how long the server kept a trickling connection after its 401,
 how long it kept an idle one, and how often the flood had to reconnect. Run from the repository root:
 
-    python3 benchmarks/connection_flood.py --out benchmarks/results/connection_flood.md
+    python3 benchmarks/sturdy/connection_flood.py --out benchmarks/results/connection_flood.md
 
 It prints a Markdown report; `--out` writes it, with the command, date and device. The exit status
 is 1 when the check fails.
@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # serve_bench
 from serve_bench import Server
 
 from m3lm.bench.report import machine, write_section

@@ -14,7 +14,7 @@ reason; no stream's gap between two tokens exceeds `--max-gap-s` (2 s); afterwar
 `m3lm:num_requests_running` is 0, the KV cache is empty, and RSS is within `--rss-tolerance-mb`
 (200) of where it started. Run from the repository root:
 
-    python3 benchmarks/server_stress.py --out benchmarks/results/server_stress.md
+    python3 benchmarks/sturdy/server_stress.py --out benchmarks/results/server_stress.md
 
 It prints a Markdown report; `--out` writes it, with the command, date and device. The exit status
 is 1 when a check fails.
@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # serve_bench
 from serve_bench import Server, scrape
 
 from m3lm.bench.report import machine, write_section
@@ -214,7 +216,7 @@ def main() -> None:
     body = "\n".join(rows)
     print(body)
     if a.out:
-        command = "python3 benchmarks/server_stress.py " + shlex.join(sys.argv[1:])
+        command = "python3 benchmarks/sturdy/server_stress.py " + shlex.join(sys.argv[1:])
         write_section(
             a.out,
             "Server stress: clients over slots, hang-ups, a huge prompt",

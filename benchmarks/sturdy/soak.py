@@ -25,7 +25,7 @@ first minute after `--warmup` by at most `--rss-tolerance-mb`; then stops the se
 SIGTERM and checks that it exits cleanly with no traceback in its log. Loopback only, bounded
 (fixed duration, per-request timeouts). Run from the repository root:
 
-    python3 benchmarks/soak.py --minutes 3 --out benchmarks/results/soak.md
+    python3 benchmarks/sturdy/soak.py --minutes 3 --out benchmarks/results/soak.md
 
 It prints a Markdown report; `--out` writes it, with the command, date, device and versions.
 The exit status is 1 when a check fails.
@@ -50,6 +50,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # serve_bench
 from serve_bench import REPO, Server, percentile, scrape
 
 from m3lm.bench.report import machine, write_section

@@ -19,7 +19,7 @@ its ratio to the idle one, the slowest `/health`, and for the floods the HTTP pr
 memory before and after (the sockets closed). Targets (issue "No client harms another"): ratio at
 most 2, /health within 1 s, memory back within 100 MiB.
 
-    python3 benchmarks/isolation.py --out benchmarks/results/isolation.md
+    python3 benchmarks/sturdy/isolation.py --out benchmarks/results/isolation.md
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # serve_bench
 from serve_bench import REPO, Server, commit
 
 from m3lm.bench.report import machine, write_section
