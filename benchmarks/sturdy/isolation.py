@@ -59,6 +59,7 @@ class Probe:
     def __init__(self, url: str, tokens: int):
         self.url, self.tokens = url, tokens
         self.health: list[float] = []
+        self.refused: list[int] = []  # the probe's statuses other than 200
         self._stop = threading.Event()
 
     def chat_s(self) -> float:
@@ -68,7 +69,9 @@ class Probe:
         }  # fmt: skip
         t = time.perf_counter()
         r = httpx.post(self.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=600)
-        r.raise_for_status()
+        if r.status_code != 200:
+            self.refused.append(r.status_code)
+            return float("inf")
         return time.perf_counter() - t
 
     def _ping(self) -> None:
@@ -82,8 +85,9 @@ class Probe:
             self._stop.wait(0.1)
 
     def during(self, load, rounds: int) -> tuple[float, float]:
-        """(median probe seconds, slowest /health seconds) while `load()` runs in a thread."""
-        self.health, self._stop = [], threading.Event()
+        """(median probe seconds, slowest /health seconds) while `load()` runs in a thread (a
+        refused probe counts as infinitely slow, its status kept in `refused`)."""
+        self.health, self.refused, self._stop = [], [], threading.Event()
         pinger = threading.Thread(target=self._ping, daemon=True)
         worker = threading.Thread(target=load, daemon=True)
         pinger.start()
@@ -222,7 +226,14 @@ def main() -> None:
             median, health = probe.during(loads[name], a.rounds)
             time.sleep(3)  # the closed sockets' buffers go back
             memory = (before, rss_mib(pid)) if name in ("bodies", "headers") else None
-            rows.append((name, median, health, memory))
+            rows.append(
+                (
+                    name + (f" (probe refused: {probe.refused})" if probe.refused else ""),
+                    median,
+                    health,
+                    memory,
+                )
+            )
             print(
                 name,
                 f"{median * 1e3:.0f} ms ({median / idle:.2f}x), /health max {health * 1e3:.0f} ms",

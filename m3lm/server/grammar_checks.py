@@ -5,7 +5,9 @@ Building a request's grammar (`grammar.check`) is where a schema the library can
 constructs whose cost explodes before any is built). So checks:
 - run on threads of their own (`workers`), never on the pool that tokenizes or on the event loop;
 - take turns by API key: at most `per_key` of one key's checks at a time, the rest waiting, at
-  most `max_waiting` of them (a 429 beyond), so one key's burst cannot hold every thread;
+  most `max_waiting` of them (a 429 beyond), so one key's burst cannot hold every thread (nor,
+  with one check at a time, more than a core); a request whose client left while it waited
+  starts none;
 - have a time budget each (`budget_s`, waiting included): a check that runs past it is a 400 and
   its spec is remembered as refused; one that could not start within it is a 429 when its key's
   own checks held it back, else a 503;
@@ -36,7 +38,7 @@ class GrammarChecks:
         self,
         workers: int = 4,
         budget_s: float = 5.0,
-        per_key: int = 2,
+        per_key: int = 1,
         max_waiting: int = 256,
         remember: int = 4096,
     ):
@@ -53,8 +55,10 @@ class GrammarChecks:
         self._turns: dict[str | None, asyncio.Semaphore] = {}
         self._waiting: collections.Counter[str | None] = collections.Counter()
 
-    async def check(self, spec: StructuredOutput, key: str | None) -> None:
-        """Return when `spec` can be used; ValueError (a 400) naming why not; ChecksBusy."""
+    async def check(self, spec: StructuredOutput, key: str | None, gone=None) -> None:
+        """Return when `spec` can be used; ValueError (a 400) naming why not; ChecksBusy.
+        `gone`: an async callable saying whether the request's client has left; a request whose
+        client left while it waited for its turn starts no check (ChecksBusy 499)."""
         if spec in self._outcomes:
             self._outcomes.move_to_end(spec)
             return _raise(self._outcomes[spec])
@@ -70,6 +74,8 @@ class GrammarChecks:
             except TimeoutError:
                 raise ChecksBusy(429, "this API key's structured-output checks are busy; retry") from None
             try:
+                if gone is not None and spec not in self._running and await gone():
+                    raise ChecksBusy(499, "the client left before its check started")
                 error = await self._run(spec, deadline - loop.time())
             finally:
                 turn.release()

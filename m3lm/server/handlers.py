@@ -280,7 +280,7 @@ async def check_rules(state: ServerState, request: Request, rules: StructuredOut
     if rules is None:
         return
     try:
-        await state.checks.check(rules, getattr(request.state, "tenant", None))
+        await state.checks.check(rules, getattr(request.state, "tenant", None), request.is_disconnected)
     except ChecksBusy as e:
         kind = "rate_limit_error" if e.status == 429 else "server_error"
         raise ApiError(e.status, str(e), kind, headers={"Retry-After": "1"}) from None

@@ -56,7 +56,7 @@ def test_a_check_past_its_budget_is_refused_and_remembered(held):
 
 def test_a_check_that_cannot_start_in_time_is_a_503_and_not_remembered(held):
     gate, _ = held
-    checks = GrammarChecks(workers=2, budget_s=1.0)
+    checks = GrammarChecks(workers=2, budget_s=1.0, per_key=2)
 
     async def main():
         running = [asyncio.ensure_future(checks.check(spec(i), "k")) for i in (1, 2)]  # both threads
@@ -111,4 +111,27 @@ def test_a_key_whose_own_checks_hold_its_turn_past_the_budget_gets_a_429(held):
         await first
 
     asyncio.run(main())
+    checks.close()
+
+
+def test_a_request_whose_client_left_while_it_waited_starts_no_check(held):
+    gate, ran = held
+    checks = GrammarChecks(workers=2, budget_s=60, per_key=1)
+
+    async def left() -> bool:
+        return True
+
+    async def main():
+        first = asyncio.ensure_future(checks.check(spec(1), "k"))  # holds the key's turn
+        await asyncio.sleep(0)
+        waiting = asyncio.ensure_future(checks.check(spec(2), "k", left))
+        await asyncio.sleep(0)
+        gate.set()
+        await first
+        with pytest.raises(ChecksBusy) as e:
+            await waiting
+        assert e.value.status == 499
+
+    asyncio.run(main())
+    assert [s for s, _ in ran] == [spec(1)]
     checks.close()
