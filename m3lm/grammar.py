@@ -31,9 +31,9 @@ from m3lm.core import StructuredOutput
 MAX_SPEC_CHARS = 256 << 10  # a schema, regex or grammar longer than this is refused
 MAX_CHOICES = 1024
 # Counted repetitions ({n}, {n,}, {n,m}) in regexes, schema patterns and grammars: the library's
-# work grows with their counts (about with the square of a pattern's count to build it, and with
-# the count times the vocabulary to compile it), so larger counts are refused up front. Nested
-# ones multiply: their product is bounded too.
+# work grows with their counts (about with the square of a pattern's count to build it; a counted
+# range's compile grows with the count too), so larger counts are refused up front. Nested ones
+# multiply: their product is bounded too.
 MAX_REPEAT = 256
 MAX_REPEAT_PRODUCT = 4096
 
@@ -85,41 +85,19 @@ def check_repetitions(spec: StructuredOutput) -> None:
     elif spec.kind == "grammar":
         _repetitions(spec.value, "grammar", quoted=True)
     elif spec.kind in ("json", "structural_tag"):
-        try:
-            doc = json.loads(spec.value)
-        except ValueError:
-            return  # the library names what is wrong with it
-        stack = [doc]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, dict):
-                for key, value in node.items():
-                    if key in ("pattern", "regex", "ebnf") and isinstance(value, str):
-                        _repetitions(value, f"{key} {value[:60]!r}", quoted=key == "ebnf")
-                    elif key == "patternProperties" and isinstance(value, dict):
-                        for pattern in value:
-                            _repetitions(pattern, f"patternProperties {pattern[:60]!r}", quoted=False)
-                    stack.append(value)
-            elif isinstance(node, list):
-                stack.extend(node)
+        for node in _schema_nodes(spec.value):
+            for key, value in node.items():
+                if key in ("pattern", "regex", "ebnf") and isinstance(value, str):
+                    _repetitions(value, f"{key} {value[:60]!r}", quoted=key == "ebnf")
+                elif key == "patternProperties" and isinstance(value, dict):
+                    for pattern in value:
+                        _repetitions(pattern, f"patternProperties {pattern[:60]!r}", quoted=False)
 
 
 def check_required(schema: str) -> None:
     """ValueError for an object schema whose `required` names a property it cannot have (none of
     its `properties`, and no other property allowed): enforced strictly, it could only give `{}`."""
-    try:
-        doc = json.loads(schema)
-    except ValueError:
-        return  # the library names what is wrong with it
-    stack = [doc]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        stack.extend(node.values())
+    for node in _schema_nodes(schema):
         required, props = node.get("required"), node.get("properties")
         if not isinstance(required, list) or not isinstance(props, dict):
             continue  # a `required` beside no `properties` may apply to another subschema's
@@ -131,6 +109,22 @@ def check_required(schema: str) -> None:
                 f"the JSON schema cannot be used: required names {missing[0]!r}, which is not among "
                 "its properties (and no other property is allowed)"
             )
+
+
+def _schema_nodes(text: str):
+    """Every JSON object in a schema's (or tag's) text, at any depth; none when it is not JSON
+    (the library then names what is wrong with it)."""
+    try:
+        stack = [json.loads(text)]
+    except ValueError:
+        return
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+            yield node
 
 
 _COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")

@@ -80,16 +80,9 @@ def rested_ms(fn, samples: int = 3, pause: float = 0.5) -> float:
 
 def graph_ms(fn, iters: int) -> float:
     """Median ms of replaying a CUDA graph of `fn` (captured after two warm-up calls)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_ms(graph.replay, iters)
+    from m3lm.engine.cuda_graphs import capture_graph
+
+    return time_ms(capture_graph(fn)[0].replay, iters)
 
 
 def per_call(meter: GpuMeter, fn, seconds: float) -> tuple[float, float, float]:

@@ -21,6 +21,21 @@ from m3lm.core import DecodeBatch
 from m3lm.models.minimax_m3 import MiniMaxM3
 
 
+def capture_graph(fn: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(the CUDA graph of fn(), its output): fn runs twice on a side stream first, so that its
+    kernels compile and the allocator settles outside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -51,15 +66,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, b: int) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compile kernels and settle the allocator outside the capture
-                self._step(b)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out, hidden = self._step(b)
+        graph, (out, hidden) = capture_graph(lambda: self._step(b), self._pool)
         self._graphs[b] = (graph, out, hidden)
 
     def capture_all(self, each: Callable[[int], None] | None = None) -> list[int]:

@@ -23,6 +23,8 @@ sequence, C the drafter's hidden size, Ct the target's, W table width (pages).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -155,15 +157,17 @@ class EagleDrafter:
         return drafts.tolist()
 
 
+@dataclass(slots=True)
 class DraftRows:
     """One sequence's rows of the last step for `EagleDrafter.draft_rows`: its table, its first
     position, the next token of each valid row (`tokens`, one a valid row), where its rows start
     in the captured states and how many there are (valid rows lead them)."""
 
-    __slots__ = ("first", "n", "start", "table", "tokens")
-
-    def __init__(self, table: list[int], start: int, tokens: list[int], first: int, n: int):
-        self.table, self.start, self.tokens, self.first, self.n = table, start, tokens, first, n
+    table: list[int]
+    start: int
+    tokens: list[int]
+    first: int
+    n: int
 
 
 def draft_inputs(rows: list[DraftRows], R: int, width: int, spare: int) -> np.ndarray:
@@ -214,16 +218,9 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def capture(self, b: int) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compile kernels and settle the allocator outside the capture
-                self._step(b)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._step(b)
-        self._graphs[b] = (graph, out)
+        from m3lm.engine.cuda_graphs import capture_graph
+
+        self._graphs[b] = capture_graph(lambda: self._step(b), self._pool)
 
     def capture_all(self) -> list[int]:
         """Capture every bucket not captured yet; returns those captured now."""

@@ -131,9 +131,9 @@ class Speculator:
                 s.output_ids + s.draft_ids[: min(i, len(s.draft_ids))] for s in seqs for i in range(K + 1)
             ]
         x = sampler.process(raw, params, prompts, outputs).view(B, K + 1, -1)
-        host = torch.tensor([s.draft_ids + [0] * (K - len(s.draft_ids)) + [len(s.draft_ids)] for s in seqs])
-        host = host.to(dev, non_blocking=host.is_pinned())
-        drafts, num = host[:, :K], host[:, K]
+        padded = [s.draft_ids + [0] * (K - len(s.draft_ids)) + [len(s.draft_ids)] for s in seqs]
+        both = torch.tensor(padded, device=dev)  # one copy: drafts [B, K] and their counts
+        drafts, num = both[:, :K], both[:, K]
         if all(s.params.greedy for s in seqs):
             accepted, cand = verify_greedy(x, drafts, num)  # [B], [B, K+1]
         else:

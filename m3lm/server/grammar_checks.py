@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from m3lm.core import StructuredOutput
@@ -51,7 +50,7 @@ class GrammarChecks:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="m3lm-grammar-check")
         self._outcomes: collections.OrderedDict[StructuredOutput, str | None] = collections.OrderedDict()
         self._running: dict[StructuredOutput, asyncio.Future] = {}
-        self._started: dict[StructuredOutput, float] = {}  # written by the check's thread
+        self._started: set[StructuredOutput] = set()  # added to by the check's thread
         self._turns: dict[str | None, asyncio.Semaphore] = {}
         self._waiting: collections.Counter[str | None] = collections.Counter()
 
@@ -108,7 +107,7 @@ class GrammarChecks:
     def _outcome(self, spec: StructuredOutput) -> str | None:
         from m3lm.grammar import check
 
-        self._started[spec] = time.monotonic()
+        self._started.add(spec)
         try:
             check(spec)
         except ValueError as e:
@@ -117,7 +116,7 @@ class GrammarChecks:
 
     def _done(self, spec: StructuredOutput, future: asyncio.Future) -> None:
         self._running.pop(spec, None)
-        self._started.pop(spec, None)
+        self._started.discard(spec)
         if spec not in self._outcomes and not future.cancelled():  # a refusal by time stays
             self._keep(spec, future.result())
 
