@@ -42,6 +42,7 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)  # speculated tokens the next step verifies
     num_drafts: int = 0  # verification steps with drafts (speculative decoding)
     num_accepted: int = 0  # drafts those steps accepted
+    lookup: object = None  # speculative.ngram.Lookup, with prompt lookup drafting
 
     @property
     def num_tokens(self) -> int:

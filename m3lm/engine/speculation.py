@@ -87,9 +87,8 @@ class Speculator:
         if self.drafter is None:
             for seq, room in zip(seqs, rooms, strict=True):
                 if room:
-                    seq.draft_ids = ngram.propose(
-                        seq.token_ids, room, c.prompt_lookup_min, c.prompt_lookup_max
-                    )
+                    seq.lookup = seq.lookup or ngram.Lookup()
+                    seq.draft_ids = seq.lookup.propose(seq, room, c.prompt_lookup_min, c.prompt_lookup_max)
             return
         if runner.decoded:  # every row a position of a decoding sequence: k + 1 rows at most each
             # a sequence that drafts nothing now never drafts again (it ends, or a grammar holds it)

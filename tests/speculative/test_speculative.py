@@ -2,6 +2,7 @@
 verification (greedy output token for token the same, sampled output distributed as the target's)."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -9,7 +10,9 @@ from safetensors.torch import load_file
 
 import m3lm
 from m3lm.config import EngineConfig
+from m3lm.core import SamplingParams
 from m3lm.engine.engine import LLMEngine
+from m3lm.engine.sequence import Sequence
 from m3lm.errors import ConfigError
 from m3lm.speculative import ngram
 from m3lm.speculative.config import SpeculativeConfig
@@ -130,6 +133,35 @@ def test_prompt_lookup_takes_the_latest_longest_match():
     assert ngram.propose([*seq, 3], 2, 4, 4) == []  # "2 ... 3" of four tokens: never before
     assert ngram.propose([4, 4, 4], 5, 1, 2) == [4]  # only what follows the match
     assert ngram.propose([8], 3, 1, 1) == []
+
+
+def _propose_by_windows(tokens, k, n_min, n_max):
+    """Prompt lookup as its definition reads: each suffix length from the longest, every window."""
+    L = len(tokens)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        hits = [s for s in range(L - n) if tokens[s : s + n] == tokens[L - n :]]
+        if hits:
+            return tokens[hits[-1] + n : hits[-1] + n + k]
+    return []
+
+
+def test_prompt_lookup_matches_its_definition_on_random_text():
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice([2, 3, 5, 50])) for _ in range(rng.randrange(1, 60))]
+        n_min = rng.randint(1, 4)
+        n_max = rng.randint(n_min, 6)
+        k = rng.randint(1, 5)
+        assert ngram.propose(tokens, k, n_min, n_max) == _propose_by_windows(tokens, k, n_min, n_max)
+
+
+def test_prompt_lookup_over_a_growing_sequence_sees_every_token():
+    rng = random.Random(1)
+    seq = Sequence(0, "r", [rng.randrange(4) for _ in range(5)], SamplingParams(), 1000)
+    lookup = ngram.Lookup()
+    while seq.num_tokens < 700:  # past the first array's size
+        assert lookup.propose(seq, 3, 1, 4) == _propose_by_windows(seq.token_ids, 3, 1, 4)
+        seq.output_ids += [rng.randrange(4) for _ in range(rng.randint(1, 4))]
 
 
 def test_speculative_config_is_read_as_vllm_spells_it():
