@@ -306,7 +306,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=keys,
         cache_salt_by_api_key=args.cache_salt_by_api_key,
         served_model_name=args.served_model_name,
-        limits=Limits(max_queue=args.max_queue, engine_timeout_s=args.engine_timeout),
+        limits=Limits(
+            max_queue=args.max_queue,
+            max_requests_per_key=args.max_requests_per_key,
+            engine_timeout_s=args.engine_timeout,
+        ),
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,

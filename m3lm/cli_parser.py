@@ -369,6 +369,14 @@ def build_parser(commands) -> argparse.ArgumentParser:
         help="waiting requests beyond which new ones get 503",
     )
     srv.add_argument(
+        "--max-requests-per-key",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="with several API keys: requests (running and waiting, a choice each) one key may hold "
+        "at once; more get 429 (default: half of --max-num-seqs plus --max-queue)",
+    )
+    srv.add_argument(
         "--drain-timeout",
         type=_seconds,
         default=30.0,

@@ -423,7 +423,7 @@ async def create_message(state: ServerState, signer: ThinkingSigner, req: Messag
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     prompt = await prepare_chat(state, chat, request)
-    slots, choices = admit_chat(state, prompt)
+    slots, choices = admit_chat(state, prompt, request)
     rid = "msg_" + secrets.token_hex(12)
     model = req.model or state.model_name
     if req.stream:  # the response owns the slots from here

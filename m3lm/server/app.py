@@ -245,6 +245,7 @@ def create_server_app(
     app = build_app(engine, tokenizer, model_name, limits, metrics)
     state = app.state.m3lm
     state.salt_by_tenant = cache_salt_by_api_key
+    state.keys_share = len(keys) > 1  # each key's requests bounded to a share of the queue
     if web_ui:
         web.add_web_ui(app)
     # Without a tokenizer prompts are token ids: 24 bytes of JSON each at most, as 2 characters are.

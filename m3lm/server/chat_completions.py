@@ -29,7 +29,7 @@ from m3lm.server.protocol import ChatCompletionRequest
 
 async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     prompt = await prepare_chat(state, req, request)
-    slots, choices = admit_chat(state, prompt)
+    slots, choices = admit_chat(state, prompt, request)
     reply = _Reply(state, req, "chatcmpl-" + secrets.token_hex(12), int(time.time()), len(prompt.ids))
     try:
         if req.stream:

@@ -77,7 +77,7 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
             params = replace(params, structured=rules)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    slots = Slots(state)
+    slots = Slots(state, getattr(request.state, "tenant", None))
     try:
         for p in ids:
             slots.add(p, params, req.n)

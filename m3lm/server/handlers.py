@@ -73,6 +73,15 @@ class ServerState:
     checks: GrammarChecks = field(default_factory=GrammarChecks)  # structured output's, bounded
     # whole replies built and encoded off the event loop: their logprobs grow with the prompt
     replies: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "m3lm-reply"))
+    keys_share: bool = False  # several API keys: each holds at most `max_requests_per_key`
+    open_by_key: dict[str, int] = field(default_factory=dict)  # engine requests each API key holds
+
+    @property
+    def max_requests_per_key(self) -> int:
+        cap = self.limits.max_requests_per_key
+        return (
+            cap if cap is not None else max(1, (self.engine.info.max_num_seqs + self.limits.max_queue) // 2)
+        )
 
     async def offload(self, fn, *args):
         """fn(*args) on the replies' threads (what grows with a prompt never runs on the loop)."""
@@ -106,11 +115,16 @@ class Slots:
     the slots over; the response releases them once it is sent, failed or cut off
     (`_OwningStream`), so an error, an abort, a hang-up or a cancelled task after admission cannot
     keep a place in the queue or a KV page.
+
+    When the server has several API keys, a key holds at most `ServerState.max_requests_per_key`
+    engine requests at once (429 past it): one client's flood, or its abandoned requests, cannot
+    fill the queue for the others. `tenant` is the request's key digest.
     """
 
-    def __init__(self, state: ServerState):
-        self.state = state
+    def __init__(self, state: ServerState, tenant: str | None = None):
+        self.state, self.tenant = state, tenant if state.keys_share else None
         self.streams: list[RequestStream] = []
+        self._counted = 0  # of the streams, those counted against the tenant's share
 
     def add(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
         state = self.state
@@ -120,6 +134,17 @@ class Slots:
             )
         if state.draining:
             raise ApiError(503, "the server is shutting down", "service_unavailable", {"Retry-After": "5"})
+        if self.tenant is not None:
+            held, cap = state.open_by_key.get(self.tenant, 0), state.max_requests_per_key
+            if held + n > cap:
+                state.metrics.rejections.labels(state.model_name).inc()
+                raise ApiError(
+                    429,
+                    f"this API key holds {held} requests (a choice each) and asks for {n} more; "
+                    f"at most {cap} at once: retry when some finish",
+                    "rate_limit_error",
+                    {"Retry-After": "1"},
+                )
         added: list[RequestStream] = []
         try:
             for i in range(n):
@@ -129,10 +154,18 @@ class Slots:
             _abort(added)
             raise _admission_error(state, e) from None
         self.streams += added
+        if self.tenant is not None:
+            self.state.open_by_key[self.tenant] = self.state.open_by_key.get(self.tenant, 0) + len(added)
+            self._counted += len(added)
         return added
 
     def release(self) -> None:
         _abort(self.streams)
+        if self._counted:
+            held = self.state.open_by_key.pop(self.tenant) - self._counted
+            if held:
+                self.state.open_by_key[self.tenant] = held
+            self._counted = 0
 
 
 def _admission_error(state: ServerState, e: BaseException) -> BaseException:
@@ -286,10 +319,10 @@ async def check_rules(state: ServerState, request: Request, rules: StructuredOut
         raise ApiError(e.status, str(e), kind, headers={"Retry-After": "1"}) from None
 
 
-def admit_chat(state: ServerState, prompt: ChatPrompt) -> tuple[Slots, list[Choice]]:
+def admit_chat(state: ServerState, prompt: ChatPrompt, request: Request) -> tuple[Slots, list[Choice]]:
     """Admit a prepared chat request (or refuse it whole): its slots and one Choice each. The
     caller owns the slots from here (`Slots`)."""
-    slots = Slots(state)
+    slots = Slots(state, getattr(request.state, "tenant", None))
     try:
         slots.add(prompt.ids, prompt.params, prompt.n)
         mode = detect_thinking_mode(prompt.ids, state.fmt.reasoning) if state.fmt else None

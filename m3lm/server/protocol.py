@@ -100,6 +100,9 @@ class Limits:
     max_body_bytes: int = 8 << 20
     max_header_bytes: int = 32 << 10
     max_queue: int = 256
+    # with several API keys, engine requests (running and waiting) one may hold at once; None: half
+    # of what the server holds (max_num_seqs + max_queue), so that one key cannot fill it for the rest
+    max_requests_per_key: int | None = None
     keepalive_s: float = 10.0  # a stream with nothing to send sends an SSE comment this often
     header_timeout_s: float = 10.0  # for a request's headers to arrive, from the connection's start
     body_timeout_s: float = 30.0  # for its body to arrive, once the headers have

@@ -489,7 +489,7 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     prompt = await prepare_chat(state, chat, request)
-    slots, choices = admit_chat(state, prompt)
+    slots, choices = admit_chat(state, prompt, request)
     reply = _Reply(state, req, len(prompt.ids), history)
     c = choices[0]
     if req.stream:  # the response owns the slots from here

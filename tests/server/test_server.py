@@ -267,6 +267,46 @@ def test_queue_full_gets_503_and_admitted_requests_complete(served_checkpoint):
         server.stop()
 
 
+def test_one_api_key_cannot_fill_the_queue_for_another(served_checkpoint, monkeypatch):
+    """Two keys, room for 2 running and 4 waiting: a key holds at most 3 requests (a choice each)
+    while the engine makes no progress; the other key is still admitted and served."""
+    import contextlib
+    import threading
+
+    server = start(served_checkpoint, api_key=["key-a", "key-b"], limits=Limits(max_queue=4), max_num_seqs=2)
+    gate, engine = threading.Event(), server.engine.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: step() if gate.wait(0.01) else [])
+    body = {"prompt": "once upon", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    def post(key, **extra):
+        return httpx.post(
+            server.url + "/v1/completions",
+            json={**body, "stream": False, **extra},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+
+    try:
+        with contextlib.ExitStack() as held:
+            a = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer key-a"}, timeout=60)
+            held.enter_context(a)
+            for _ in range(3):
+                r = held.enter_context(a.stream("POST", "/v1/completions", json=body))
+                assert r.status_code == 200
+            refused = post("key-a")
+            assert refused.status_code == 429 and refused.headers["retry-after"], refused.text
+            assert "at most 3" in refused.json()["error"]["message"]
+            gate.set()
+            served = post("key-b", n=2)
+            assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 8
+        wait_idle(server.engine)
+        again = post("key-a", n=3)  # its share is free again, all of it
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 12
+    finally:
+        server.stop()
+
+
 def test_the_default_model_is_served():
     server = start(m3lm.DEFAULT_MODEL, api_key=None, max_model_len=1024)
     try:
