@@ -596,4 +596,20 @@ def check_dir(path: str | Path) -> Path:
         raise CheckpointError(f"model path {path} is {kind}: {LOCAL_ONLY}")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (not a model checkpoint directory)")
+    check_inside(path, path / "config.json")
     return path
+
+
+def inside(folder: Path, f: Path) -> bool:
+    """Whether a file of the checkpoint, its symlinks followed, stays in the model folder (a
+    checkpoint may not make us read files elsewhere). A hub cache's snapshot folder
+    (`.../snapshots/<revision>`) links its files into the repository's `blobs` folder: those stay."""
+    root, target = folder.resolve(), f.resolve()
+    return target.is_relative_to(root) or (
+        root.parent.name == "snapshots" and target.is_relative_to(root.parent.parent / "blobs")
+    )
+
+
+def check_inside(folder: Path, f: Path) -> None:
+    if not inside(folder, f):
+        raise CheckpointError(f"{f} leads outside the model folder (to {f.resolve()})")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from m3lm.config import ModelArgs, check_dir
+from m3lm.config import ModelArgs, check_dir, check_inside, inside
 from m3lm.device import resolve_device
 from m3lm.distributed.parallel import SINGLE, ParallelConfig
 from m3lm.distributed.shard import localize, mxfp8_split_errors, param_shard
@@ -96,8 +96,7 @@ def weight_files(path: Path) -> list[Path]:
             raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
         files = [path / f for f in dict.fromkeys(weight_map.values())]
         # An index is data from the checkpoint: it may not make us read files elsewhere.
-        root = path.resolve()
-        outside = [str(f) for f in files if not f.resolve().is_relative_to(root)]
+        outside = [str(f) for f in files if not inside(path, f)]
         if outside:
             raise CheckpointError(f"{index} names shard(s) outside the model folder: {', '.join(outside)}")
         missing = [str(f) for f in files if not f.is_file()]
@@ -106,8 +105,7 @@ def weight_files(path: Path) -> list[Path]:
         return files
     single = path / "model.safetensors"
     if single.is_file():
-        if not single.resolve().is_relative_to(path.resolve()):
-            raise CheckpointError(f"{single} leads outside the model folder (to {single.resolve()})")
+        check_inside(path, single)
         return [single]
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
@@ -397,6 +395,7 @@ def read_generation_config(path: Path) -> dict:
     f = Path(path) / "generation_config.json"
     if not f.is_file():
         return {}
+    check_inside(Path(path), f)
     try:
         data = json.loads(f.read_text())
     except (OSError, ValueError, RecursionError) as e:

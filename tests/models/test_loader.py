@@ -1,6 +1,7 @@
 """Loader: every layout lands on the same parameters; bad checkpoints fail clearly and early."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,6 +245,34 @@ def test_index_may_not_name_shards_outside_the_model_folder(tmp_path, release_te
     with pytest.raises(CheckpointError) as e:
         m3lm.load(path, device="cpu")
     assert str(e.value) == f"{index} names shard(s) outside the model folder: {path / name}"
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_a_config_leading_outside_the_model_folder_is_refused(tmp_path, release_tensors, name):
+    path = write(tmp_path / "m", release_tensors)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(((path / name) if (path / name).exists() else path / "config.json").read_text())
+    (path / name).unlink(missing_ok=True)
+    (path / name).symlink_to(outside)
+    with pytest.raises(CheckpointError) as e:
+        m3lm.load(path, device="cpu")
+    assert str(e.value) == f"{path / name} leads outside the model folder (to {outside})"
+
+
+def test_a_hub_cache_snapshot_linking_into_its_blobs_loads(tmp_path, release_tensors):
+    """The hub's cache keeps a revision as `snapshots/<rev>/<file>` -> `../../blobs/<hash>`."""
+    plain = write(tmp_path / "plain", release_tensors, shards=2)
+    repo = tmp_path / "hub" / "models--org--m"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(plain.iterdir())):
+        f.rename(blobs / f"blob{i}")
+        (snapshot / f.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    model, _ = m3lm.load(snapshot, device="cpu")
+    reference, _ = m3lm.load(write(tmp_path / "again", release_tensors, shards=2), device="cpu")
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_index_with_non_string_file_is_refused(tmp_path, release_tensors):
