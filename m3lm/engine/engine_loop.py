@@ -28,6 +28,8 @@ from m3lm.threads import use_threads
 
 log = logging.getLogger("m3lm.engine")
 IDLE_POLL_MS = 100  # how long an idle loop sleeps before checking on its parent
+WATCH_S = 0.1  # how often the watch thread looks for its parent (and beats, when a beat is due)
+ORPHAN_GRACE_S = 0.5  # the parent gone, how long the loop may take to notice before the watch ends it
 
 
 def engine_info(engine: LLMEngine, warmup_s: float = 0.0) -> m.ReadyInfo:
@@ -83,7 +85,10 @@ def to_message(out: StepOutput) -> m.Output:
 class EngineLoop:
     """With `heartbeat_s`, a thread sends a `Heartbeat` that often while the loop runs: it beats
     whatever the loop is doing (a long step is not a stall), and stops only when the process
-    does (stopped, frozen, starved of its interpreter) or the loop ends."""
+    does (stopped, frozen, starved of its interpreter) or the loop ends.
+
+    With `parent_pid` (its own process), the loop stops once the parent has gone; the same
+    thread ends the process (`leave`) if the loop is inside a step that long after it has."""
 
     def __init__(
         self,
@@ -95,7 +100,7 @@ class EngineLoop:
         heartbeat_s: float | None = None,
     ):
         self.engine, self.parent_pid = engine, parent_pid
-        self.ctx, self.out_addr, self.heartbeat_s = ctx, out_addr, heartbeat_s
+        self.ctx, self.in_addr, self.out_addr, self.heartbeat_s = ctx, in_addr, out_addr, heartbeat_s
         self._stopped = threading.Event()
         self._heart: threading.Thread | None = None
         self.inbox = ctx.socket(zmq.PULL)
@@ -118,16 +123,25 @@ class EngineLoop:
         self.inbox.close(0)
         self.outbox.close(0)
 
-    def _beat(self) -> None:
-        """The heartbeat thread, on a socket of its own (ZeroMQ sockets are not shared by threads)."""
+    def _watch(self) -> None:
+        """The watch thread: heartbeats on a socket of its own (ZeroMQ sockets are not shared by
+        threads), and the parent looked for."""
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.out_addr)
         beat = m.encode(m.Heartbeat())
+        due = orphaned = None
         try:
-            while not self._stopped.wait(self.heartbeat_s):
-                with contextlib.suppress(zmq.Again):
-                    sock.send(beat, zmq.NOBLOCK)
+            while not self._stopped.wait(min(WATCH_S, self.heartbeat_s or WATCH_S)):
+                now = time.monotonic()
+                if self.heartbeat_s and (due is None or now >= due):
+                    with contextlib.suppress(zmq.Again):
+                        sock.send(beat, zmq.NOBLOCK)
+                    due = now + self.heartbeat_s
+                if self._orphaned():
+                    orphaned = orphaned or now
+                    if now - orphaned > ORPHAN_GRACE_S:
+                        leave(self.in_addr)
         finally:
             sock.close(0)
 
@@ -164,8 +178,8 @@ class EngineLoop:
     def run(self) -> None:
         """Serve until `Shutdown` or the parent's exit; a fault is reported as `Dead`, then raised."""
         engine = self.engine
-        if self.heartbeat_s:
-            self._heart = threading.Thread(target=self._beat, name="m3lm-heartbeat", daemon=True)
+        if self.heartbeat_s or self.parent_pid is not None:
+            self._heart = threading.Thread(target=self._watch, name="m3lm-heartbeat", daemon=True)
             self._heart.start()
         try:
             while self._receive(0 if engine.has_unfinished() else IDLE_POLL_MS):
@@ -255,6 +269,14 @@ def run_engine_process(spec: EngineSpec, in_addr: str, out_addr: str, parent_pid
         sys.stderr.flush()
         if code:
             os._exit(code)
+
+
+def leave(in_addr: str) -> None:
+    """End the engine process now: its server has gone while a step was under way."""
+    log.warning("the server process has gone during a step: the engine stops")
+    remove_ipc_folder(in_addr)
+    logging.shutdown()
+    os._exit(0)
 
 
 def remove_ipc_folder(addr: str) -> None:

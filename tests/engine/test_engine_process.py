@@ -96,6 +96,46 @@ def test_engine_process_leaves_when_the_server_dies(checkpoint):
         stop(proc)
 
 
+def test_an_engine_inside_a_long_step_leaves_soon_after_its_server(tmp_path, monkeypatch):
+    """The loop looks for its parent between steps; a step that outlasts the parent by more than
+    `ORPHAN_GRACE_S` is cut short by the watch thread (`leave`), which removes the socket folder."""
+    import threading
+
+    import zmq
+
+    from m3lm.engine import engine_loop
+
+    left, release = threading.Event(), threading.Event()
+    monkeypatch.setattr(engine_loop, "leave", lambda addr: left.set())
+    folder = tmp_path / "ipc"
+    folder.mkdir()
+
+    class Engine:  # one step under way when the parent goes, lasting until it is released
+        def has_unfinished(self):
+            return True
+
+        def step(self):
+            loop.parent_pid = -1  # the parent has gone
+            assert release.wait(60)
+            return []
+
+    ctx = zmq.Context()
+    loop = engine_loop.EngineLoop(
+        Engine(), ctx, f"ipc://{folder}/in", f"ipc://{folder}/out", parent_pid=os.getppid()
+    )
+    monkeypatch.setattr(engine_loop, "engine_stats", lambda engine: None)
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    try:
+        assert left.wait(PATIENCE_S)
+    finally:
+        release.set()
+        runner.join(PATIENCE_S)
+        loop.close()
+        ctx.destroy(linger=0)
+    assert not runner.is_alive()  # and between steps the loop ends by itself
+
+
 def test_a_thread_hosted_engine_reports_its_warm_up_failure(checkpoint, monkeypatch):
     """Under torchrun the engine's loop runs on a thread of the server process: a warm-up that
     fails is a start failure with its message, as the engine process reports it."""
