@@ -1,6 +1,7 @@
 """No client harms another: a plain client's latency while others abuse the shared resources.
 
-One `m3lm serve` (the embedded story model unless `--model`, with an API key) is probed by a
+One `m3lm serve` (the embedded story model unless `--model`, with two API keys: the probe's,
+and the abusive traffic's) is probed by a
 client sending a plain chat completion (`--probe-tokens` greedy tokens) and `/health`, first on
 the idle server, then while each class of abusive traffic runs, one class at a time:
 
@@ -41,7 +42,7 @@ from serve_bench import REPO, Server, commit
 
 from m3lm.bench.report import machine, write_section
 
-KEY = "sk-isolation"
+KEY, OTHER = "sk-isolation", "sk-isolation-abuser"  # the probe's key; the abusive traffic's
 AUTH = {"Authorization": f"Bearer {KEY}"}
 STORY = REPO / "m3lm" / "assets" / "story"
 
@@ -103,7 +104,8 @@ class Probe:
 async def abandoned(url: str, path: str, bodies: list[dict], abandon_s: float) -> None:
     """Send every body at once, each given up after `abandon_s` (the connection closed)."""
     limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=0)
-    async with httpx.AsyncClient(headers=AUTH, limits=limits, timeout=abandon_s) as client:
+    abuser = {"Authorization": f"Bearer {OTHER}"}
+    async with httpx.AsyncClient(headers=abuser, limits=limits, timeout=abandon_s) as client:
 
         async def one(body):
             with contextlib.suppress(httpx.HTTPError):  # given up, as a client that goes away
@@ -191,7 +193,7 @@ def main() -> None:
     ap.add_argument("--classes", nargs="+", default=["schemas", "compiles", "logprobs", "bodies", "headers"])
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    server = Server(a.model, KEY, ["--max-model-len", "2048"])
+    server = Server(a.model, f"{KEY},{OTHER}", ["--max-model-len", "2048"])
     rows = []
     try:
         server.wait_healthy(time.monotonic() + 300)
@@ -253,7 +255,7 @@ def main() -> None:
     print(text)
     if a.out:
         setup = (
-            f"Server: `m3lm serve --model {a.model} --api-key ... --max-model-len 2048`; probe: a chat completion "
+            f"Server: `m3lm serve --model {a.model} --api-key PROBE,ABUSER --max-model-len 2048`; probe: a chat completion "
             f"of {a.probe_tokens} greedy tokens, {a.rounds} in turn per class, and /health every 100 ms; "
             f"{a.requests} requests a class, each abandoned after {a.abandon_s:g} s; floods of {a.connections} "
             "key-less sockets held 5 s."
