@@ -38,7 +38,7 @@ class ModelRunner:
         self.hidden: torch.Tensor | None = None  # the last run's captured states [T, len(capture) * C]
         # seq_id -> (its first row in them, its first position, its rows): of the last run
         self.spans: dict[int, tuple[int, int, int]] = {}
-        self.decoded = False  # whether every sequence of the last run decoded (a row a position)
+        self.rows: set[int] = set()  # the sequences of the last run that decoded, a row a position
 
     @torch.inference_mode()
     def run(
@@ -59,7 +59,7 @@ class ModelRunner:
         order = sorted(range(len(plan)), key=lambda i: not decoding[i])
         plan, tables, decoding = ([x[i] for i in order] for x in (plan, tables, decoding))
         tokens, q_lens, starts, rows, ready, scored, scored_rows, row_tables = [], [], [], [], [], [], [], []
-        offset, self.spans = 0, {}
+        offset, self.spans, self.rows = 0, {}, set()
         for (seq, n), table, as_rows in zip(plan, tables, decoding, strict=True):
             start = seq.num_cached
             self.spans[seq.seq_id] = (offset, start, n)
@@ -67,6 +67,7 @@ class ModelRunner:
             tokens.extend(seq.tokens(start, start + known))
             tokens.extend(seq.draft_ids[: n - known])
             if as_rows:
+                self.rows.add(seq.seq_id)
                 q_lens.extend([1] * n)
                 starts.extend(range(start, start + n))
                 row_tables.extend([table] * n)
@@ -81,7 +82,7 @@ class ModelRunner:
                 rows.extend(range(offset + known - 1, offset + n))
                 ready.append(seq)
             offset += n
-        g, self.decoded = self.graphs, all(decoding)
+        g = self.graphs
         if g is not None and all(decoding) and len(tokens) <= g.max_batch and g.layers == self.capture:
             logits, self.hidden = g.run(tokens, starts, row_tables)
         else:

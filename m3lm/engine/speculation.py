@@ -78,8 +78,9 @@ class Speculator:
 
     def propose(self, seqs: list[Sequence], blocks: BlockManager, runner) -> None:
         """After a step: set the drafts of each of its sequences that now decodes (its last token
-        not yet computed); an EAGLE-3 drafter first takes in every position the step kept, for
-        every sequence at once after a step in which each decoded (`EagleDrafter.draft_rows`)."""
+        not yet computed); an EAGLE-3 drafter first takes in every position the step kept: those
+        of the sequences that decoded, all at once (`EagleDrafter.draft_rows`), the others' (a
+        prompt's chunk) one sequence at a time."""
         c = self.config
         for seq in seqs:
             seq.draft_ids = []
@@ -90,21 +91,20 @@ class Speculator:
                     seq.lookup = seq.lookup or ngram.Lookup()
                     seq.draft_ids = seq.lookup.propose(seq, room, c.prompt_lookup_min, c.prompt_lookup_max)
             return
-        if runner.decoded:  # every row a position of a decoding sequence: k + 1 rows at most each
-            # a sequence that drafts nothing now never drafts again (it ends, or a grammar holds it)
-            live = [(s, room) for s, room in zip(seqs, rooms, strict=True) if room]
-            if live:
-                rows = []
-                for seq, _ in live:
-                    offset, start, n = runner.spans[seq.seq_id]
-                    taken = seq.tokens(start + 1, seq.num_cached + 1)  # each kept position's next token
-                    rows.append(DraftRows(blocks.table(seq.seq_id), start, taken, offset, n))
-                drafts = self.drafter.draft_rows(rows, runner.hidden, self.k)
-                for (seq, room), d in zip(live, drafts, strict=True):
-                    seq.draft_ids = d[:room]
-            return
+        # the sequences that decoded (k + 1 rows at most each); one that drafts nothing now
+        # never drafts again (it ends, or a grammar holds it)
+        live = [(s, room) for s, room in zip(seqs, rooms, strict=True) if room and s.seq_id in runner.rows]
+        if live:
+            rows = []
+            for seq, _ in live:
+                offset, start, n = runner.spans[seq.seq_id]
+                taken = seq.tokens(start + 1, seq.num_cached + 1)  # each kept position's next token
+                rows.append(DraftRows(blocks.table(seq.seq_id), start, taken, offset, n))
+            drafts = self.drafter.draft_rows(rows, runner.hidden, self.k)
+            for (seq, room), d in zip(live, drafts, strict=True):
+                seq.draft_ids = d[:room]
         for seq, room in zip(seqs, rooms, strict=True):
-            if seq.finished:
+            if seq.finished or seq.seq_id in runner.rows:
                 continue
             offset, start, _ = runner.spans[seq.seq_id]
             hidden = runner.hidden[offset : offset + seq.num_cached - start]

@@ -516,3 +516,33 @@ def test_the_story_model_with_its_drafter_tells_the_same_stories_batched():
     out, _, engine = run_engine(model, prompts, params, speculative_config=spec)
     assert out == plain
     assert engine.speculator.stats.mean_acceptance_length > 1.5  # a trained drafter, not a random one
+
+
+def test_sequences_decoding_beside_a_prompt_draft_as_they_would_alone():
+    """With verification as rows (as on a GPU), a step that prefills one prompt while others
+    decode drafts those others all at once, the prompt alone: the drafts, and so the accepted
+    counts, are those of drafting each sequence by itself (verification as chunks)."""
+    model, tok = m3lm.load(m3lm.DEFAULT_MODEL, device="cpu", dtype=torch.float32)
+    texts = ("Once upon a time", "Tom and Lily went to the park.", "The sun was", "A little dog")
+    params = m3lm.SamplingParams(max_tokens=40, **GREEDY)
+    spec = {"method": "eagle3", "model": str(m3lm.DEFAULT_DRAFTER), "num_speculative_tokens": 3}
+
+    def staggered(as_rows: bool):
+        engine = LLMEngine(model, None, EngineConfig(speculative_config=spec))
+        engine.runner.verify_rows = as_rows
+        out, mixed = {}, 0
+        for i, t in enumerate(texts):  # a new prompt after every 3 steps: it prefills beside decodes
+            engine.add_request(tok.encode(t), params, str(i))
+            for _ in range(3 if i + 1 < len(texts) else 10**6):
+                if not engine.has_unfinished():
+                    break
+                for o in engine.step():
+                    out.setdefault(o.request_id, []).extend(o.new_token_ids)
+                mixed += bool(engine.runner.rows) and len(engine.runner.rows) < len(engine.runner.spans)
+        st = engine.speculator.stats
+        return out, (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens), mixed
+
+    rows, rows_stats, mixed = staggered(True)
+    chunks, chunks_stats, _ = staggered(False)
+    assert mixed >= 2  # steps with a prompt beside decoding rows happened
+    assert rows == chunks and rows_stats == chunks_stats
