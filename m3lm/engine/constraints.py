@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -261,27 +261,43 @@ def _set(bitmask: torch.Tensor, row: int, token: int, allowed: bool) -> None:
 
 
 class StepMasks:
-    """One step's bitmask rows on the logits' device, and which rows they constrain."""
+    """One step's bitmask [B, ceil(V' / 32)] int32 on the logits' device, a row each (a row that
+    nothing constrains allows every token), and which rows are constrained."""
+
+    _SHIFTS: ClassVar[dict[torch.device, torch.Tensor]] = {}
 
     def __init__(self, bitmask: torch.Tensor, rows: list[int]):
         self.bitmask, self.rows = bitmask, rows
 
+    @torch.inference_mode()
     def apply(self, logits: torch.Tensor) -> None:
-        """Set to -inf, in place, what each constrained row of logits [B, V] forbids."""
-        import xgrammar as xgr
-
-        xgr.apply_token_bitmask_inplace(logits, self.bitmask, indices=self.rows)
+        """Set to -inf, in place, what each row of logits [B, V] forbids (V <= V'): bit t % 32 of
+        word t // 32 says whether token t is allowed. Every row at once, with no index list (a
+        few tensor ops, where a kernel launched with indices cost more than the step's mask)."""
+        dev, (B, V) = logits.device, logits.shape
+        shifts = self._SHIFTS.get(dev)
+        if shifts is None:
+            shifts = self._SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+        allowed = (self.bitmask[:B, :, None] >> shifts) & 1  # [B, W, 32]
+        logits.masked_fill_(allowed.view(B, -1)[:, :V] == 0, float("-inf"))
 
 
 class Masks:
     """Fills a step's bitmask rows on the host into a reused buffer (pinned on a GPU, so the copy
-    does not wait for the forward), the grammars' rows at once on xgrammar's threads."""
+    does not wait for the forward), the grammars' rows at once on xgrammar's batch matcher: on
+    one thread for a small step (handing rows to threads costs more than filling them there),
+    on up to `threads` for one with more than `slots_per_thread` token slots to fill."""
 
-    def __init__(self, vocab_size: int, device: torch.device, threads: int | None = None):
+    SLOTS_PER_THREAD = 1 << 20  # rows x vocabulary a fill thread is worth
+
+    def __init__(
+        self, vocab_size: int, device: torch.device, threads: int | None = None, slots_per_thread: int = 0
+    ):
         self.vocab_size, self.device = vocab_size, device
         self.threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self.slots_per_thread = slots_per_thread or self.SLOTS_PER_THREAD
         self._host: torch.Tensor | None = None
-        self._batch = None
+        self._batch: dict[int, Any] = {}  # threads -> xgrammar's BatchGrammarMatcher
 
     def _buffer(self, rows: int) -> torch.Tensor:
         import xgrammar as xgr
@@ -303,13 +319,18 @@ class Masks:
         bitmask = self._buffer(len(constraints))
         grammar = [i for i in rows if constraints[i].grammar_row]
         if len(grammar) > 1:
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(self.threads)
-            self._batch.batch_fill_next_token_bitmask(
+            threads = min(self.threads, 1 + len(grammar) * self.vocab_size // self.slots_per_thread)
+            if threads not in self._batch:
+                self._batch[threads] = xgr.BatchGrammarMatcher(threads)
+            self._batch[threads].batch_fill_next_token_bitmask(
                 [constraints[i].matcher for i in grammar], bitmask, grammar
             )
         for i in rows:
             constraints[i].fill(bitmask, i, grammar_filled=len(grammar) > 1 and constraints[i].grammar_row)
+        if len(rows) < len(constraints):  # the others allow everything
+            free = torch.ones(len(constraints), dtype=torch.bool)
+            free[rows] = False
+            bitmask[free] = -1
         return StepMasks(bitmask.to(self.device, non_blocking=True), rows)
 
 

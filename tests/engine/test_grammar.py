@@ -15,7 +15,7 @@ import xgrammar as xgr
 import m3lm
 from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams, StructuredOutput, ThinkingControl
-from m3lm.engine.constraints import Constraint, mask_logits
+from m3lm.engine.constraints import Constraint, Masks, mask_logits
 from m3lm.engine.engine import LLMEngine
 from m3lm.grammar import M3Tokens, bind_markers, check, grammar, library_message, m3_tool_calls
 from m3lm.text.reasoning import ReplyFormat, ThinkingMode, parse_reply
@@ -245,9 +245,11 @@ def test_the_reasoning_state_follows_the_thinking_mode_on_token_ids(story):
     assert not direct.accept(start)  # and refuses a marker
 
 
-def test_masks_filled_at_once_are_each_row_filled_alone(story):
-    """`Masks` (every grammar's row on xgrammar's threads, a reused buffer) gives the rows that
-    `mask_logits` gives one at a time, for rows in every state, twice in a row."""
+@pytest.mark.parametrize("threads", [0, 2])
+def test_masks_filled_at_once_are_each_row_filled_alone(story, threads):
+    """`Masks` (every grammar's row on xgrammar's batch matcher, on one thread as the engine's
+    takes these few rows, or on two; a reused buffer) gives the rows that `mask_logits` gives one
+    at a time, for rows in every state, twice in a row."""
     engine = engine_of(story)
     V, start, end = 4096, 4087, 4088
     schema = StructuredOutput(
@@ -271,7 +273,7 @@ def test_masks_filled_at_once_are_each_row_filled_alone(story):
         Constraint(None, None),
     ]
     obj.result(), choice.result()
-    masks = engine.masks
+    masks = engine.masks if not threads else Masks(V, torch.device("cpu"), threads, slots_per_thread=1)
     for step in range(2):
         logits = torch.randn(len(rows), V, generator=torch.Generator().manual_seed(step))
         want = logits.clone()
