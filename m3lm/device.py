@@ -36,3 +36,11 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
             f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
         )
     return dev
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list as a tensor on `device`; on a GPU through pinned memory, so that the copy is
+    queued behind the work already launched instead of waiting for it."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -96,7 +96,10 @@ class DecodeGraphs:
         host[:, 0], host[:, 1], host[:, 2:] = 0, 0, self.spare
         host[:n, 0], host[:n, 1] = tokens, positions
         for i, table in enumerate(tables):
-            host[i, 2 : 2 + len(table)] = table
+            if i and table is tables[i - 1]:  # a sequence's rows share its table
+                host[i, 2:] = host[i - 1, 2:]
+            else:
+                host[i, 2 : 2 + len(table)] = table
         staged = self._host[:b].to(self.tokens.device, non_blocking=True)
         self.tokens[:b].copy_(staged[:, 0])
         self.positions[:b].copy_(staged[:, 1])

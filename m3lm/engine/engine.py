@@ -22,6 +22,7 @@ from m3lm.cache.kv_cache import KVCache
 from m3lm.cache.pool import PoolPlan, graph_reserve, plan_pool
 from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams, StepOutput, TokenLogprob, validate_request
+from m3lm.device import to_device
 from m3lm.distributed import steps
 from m3lm.engine.constraints import Constraint, Grammars, Masks, StepMasks
 from m3lm.engine.drafter import EagleDrafter
@@ -370,7 +371,14 @@ class LLMEngine:
             (spec if s.draft_ids else plain).append(s)
             (spec_rows if s.draft_ids else plain_rows).extend(range(at, at + n))
             at += n
-        verified = self.speculator.verify(self.sampler, spec, logits[spec_rows])
+        if plain:  # rows of both kinds: each kind's rows gathered
+            spec_logits, logits = (
+                logits[to_device(spec_rows, logits.device)],
+                logits[to_device(plain_rows, logits.device)],
+            )
+        else:
+            spec_logits = logits
+        verified = self.speculator.verify(self.sampler, spec, spec_logits)
         now = time.perf_counter()
         for seq, v in zip(spec, verified, strict=True):
             seq.last_token_time = now
@@ -388,7 +396,7 @@ class LLMEngine:
                 results.append(out)
             except Exception as e:  # a fault in one request's text handling ends that request only
                 results.append(self.fail(seq, f"{type(e).__name__}: {e}"))
-        return plain, logits[plain_rows]
+        return plain, logits if plain else logits[:0]
 
     def _sample(
         self, ready: list[Sequence], logits: torch.Tensor, results: list[StepOutput], masks: StepMasks | None

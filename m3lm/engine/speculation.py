@@ -27,6 +27,7 @@ import torch
 
 from m3lm.cache.block_manager import BlockManager
 from m3lm.core import TokenLogprob
+from m3lm.device import to_device
 from m3lm.engine.drafter import DraftRows, EagleDrafter
 from m3lm.engine.sequence import SeqStatus, Sequence
 from m3lm.sampler import Sampler, logprobs, reads_history
@@ -78,9 +79,10 @@ class Speculator:
 
     def propose(self, seqs: list[Sequence], blocks: BlockManager, runner) -> None:
         """After a step: set the drafts of each of its sequences that now decodes (its last token
-        not yet computed); an EAGLE-3 drafter first takes in every position the step kept: those
-        of the sequences that decoded, all at once (`EagleDrafter.draft_rows`), the others' (a
-        prompt's chunk) one sequence at a time."""
+        not yet computed); an EAGLE-3 drafter first takes in every position the step kept, then
+        drafts every sequence at once (`EagleDrafter.draft_rows`): a sequence that decoded is
+        taken in there too (k + 1 rows at most), a prompt's chunk first, alone (`EagleDrafter.draft`
+        drafting nothing), and then its last position again among the rows."""
         c = self.config
         for seq in seqs:
             seq.draft_ids = []
@@ -91,24 +93,26 @@ class Speculator:
                     seq.lookup = seq.lookup or ngram.Lookup()
                     seq.draft_ids = seq.lookup.propose(seq, room, c.prompt_lookup_min, c.prompt_lookup_max)
             return
-        # the sequences that decoded (k + 1 rows at most each); one that drafts nothing now
-        # never drafts again (it ends, or a grammar holds it)
-        live = [(s, room) for s, room in zip(seqs, rooms, strict=True) if room and s.seq_id in runner.rows]
+        live, rows = [], []
+        for seq, room in zip(seqs, rooms, strict=True):
+            offset, start, n = runner.spans[seq.seq_id]
+            end, table = seq.num_cached, blocks.table(seq.seq_id)  # positions start .. end - 1 kept
+            if seq.seq_id in runner.rows:
+                # a sequence that drafts nothing now never drafts again (it ends, or a grammar holds it)
+                if room:
+                    live.append((seq, room))
+                    rows.append(DraftRows(table, start, seq.tokens(start + 1, end + 1), offset, n))
+            elif not seq.finished:
+                self.drafter.draft(seq, table, runner.hidden[offset : offset + end - start], start, 0)
+                if room:  # its last position, taken in again as a sequence's one row
+                    live.append((seq, room))
+                    rows.append(
+                        DraftRows(table, end - 1, seq.tokens(end, end + 1), offset + end - 1 - start, 1)
+                    )
         if live:
-            rows = []
-            for seq, _ in live:
-                offset, start, n = runner.spans[seq.seq_id]
-                taken = seq.tokens(start + 1, seq.num_cached + 1)  # each kept position's next token
-                rows.append(DraftRows(blocks.table(seq.seq_id), start, taken, offset, n))
             drafts = self.drafter.draft_rows(rows, runner.hidden, self.k)
             for (seq, room), d in zip(live, drafts, strict=True):
                 seq.draft_ids = d[:room]
-        for seq, room in zip(seqs, rooms, strict=True):
-            if seq.finished or seq.seq_id in runner.rows:
-                continue
-            offset, start, _ = runner.spans[seq.seq_id]
-            hidden = runner.hidden[offset : offset + seq.num_cached - start]
-            seq.draft_ids = self.drafter.draft(seq, blocks.table(seq.seq_id), hidden, start, room)
 
     def verify(self, sampler: Sampler, seqs: list[Sequence], logits: torch.Tensor) -> list[Verified]:
         """Accept a prefix of each sequence's drafts: `logits` [sum(k_i + 1), V] holds each
@@ -121,7 +125,7 @@ class Speculator:
         else:  # padding rows repeat the sequence's last one
             at = [0, *itertools.accumulate(n + 1 for n in counts)]
             rows = [at[b] + min(i, n) for b, n in enumerate(counts) for i in range(K + 1)]
-            raw = logits[torch.tensor(rows, device=dev)]  # [B * (K+1), V]
+            raw = logits[to_device(rows, dev)]  # [B * (K+1), V]
         params = [s.params for s in seqs for _ in range(K + 1)]
         prompts = outputs = [()] * len(params)
         if any(map(reads_history, params)):  # row i sees drafts 1..i as output
@@ -131,12 +135,12 @@ class Speculator:
             ]
         x = sampler.process(raw, params, prompts, outputs).view(B, K + 1, -1)
         padded = [s.draft_ids + [0] * (K - len(s.draft_ids)) + [len(s.draft_ids)] for s in seqs]
-        both = torch.tensor(padded, device=dev)  # one copy: drafts [B, K] and their counts
+        both = to_device(padded, dev)  # one copy: drafts [B, K] and their counts
         drafts, num = both[:, :K], both[:, K]
         if all(s.params.greedy for s in seqs):
             accepted, cand = verify_greedy(x, drafts, num)  # [B], [B, K+1]
         else:
-            greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
+            greedy = to_device([s.params.greedy for s in seqs], dev, torch.bool)
             uniforms, noise = draws([s.generator for s in seqs], K, x.shape[-1], dev)
             accepted, nxt = verify(x, drafts, num, greedy, uniforms, noise)
             # the emitted tokens' candidates: each row's draft, and at row `accepted` the chosen token

@@ -105,6 +105,30 @@ def test_a_later_take_in_overwrites_the_drafted_positions():
     assert got == fresh.draft_rows(later, h2, K)
 
 
+@torch.inference_mode()
+def test_a_prompt_taken_in_alone_then_drafted_among_rows_is_drafted_as_alone():
+    """After a step that prefilled a prompt's chunk beside decodes (the engine's way): the chunk
+    taken in alone, drafting nothing, then its last position again as one row among the
+    decoded sequences' rows: the drafts and keys of drafting the prompt alone."""
+    drafter, rows, _, hidden = case(3)
+    g = torch.Generator().manual_seed(4)
+    start, end = 5, 17  # the chunk's positions, start .. end - 1
+    ids = torch.randint(0, 50, (end + 1,), generator=g).tolist()
+    prompt = Sequence(9, "9", ids, SamplingParams(), max_tokens=100, num_cached=end)
+    used = {p for r in rows for p in r.table}
+    table = [p for p in range(1, 39) if p not in used][: -(-(end + 1) // PAGE)]  # no one else's pages
+    chunk = torch.randn(end - start, hidden.shape[1], generator=g)
+    alone = copy.deepcopy(drafter)
+    want = alone.draft(prompt, table, chunk, start, K)
+    drafter.draft(prompt, table, chunk, start, 0)
+    both = torch.cat([hidden, chunk])
+    last = DraftRows(table, end - 1, prompt.tokens(end, end + 1), len(hidden) + end - start - 1, 1)
+    assert drafter.draft_rows([*rows, last], both, K)[-1] == want
+    for pos in range(start, end):
+        page, slot = table[pos // PAGE], pos % PAGE
+        torch.testing.assert_close(drafter.k[page, slot], alone.k[page, slot])
+
+
 def test_greedy_acceptance_is_the_general_rule_on_greedy_rows():
     g = torch.Generator().manual_seed(3)
     B, V = 64, 6
