@@ -288,6 +288,26 @@ def test_masks_filled_at_once_are_each_row_filled_alone(story, threads):
     assert masks.fill([None, Constraint(None, None)]) is None
 
 
+@pytest.mark.cuda
+def test_masks_on_the_gpu_are_the_cpus(story):
+    """The pinned buffer's copy and the tensor-op masking on a GPU: the CPU reference's rows."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    engine, V = engine_of(story), 4096
+    obj = engine.grammars.submit(StructuredOutput("json", json.dumps({"type": "object"})))
+    choice = engine.grammars.submit(StructuredOutput("choice", '["yes", "no"]'))
+    rows = [Constraint(obj, None), None, Constraint(choice, None)]
+    for c in rows:
+        if c is not None:
+            c.start()
+    logits = torch.randn(len(rows), V, generator=torch.Generator().manual_seed(0))
+    want = logits.clone()
+    mask_logits(rows, want)
+    got = logits.cuda()
+    Masks(V, torch.device("cuda")).fill(rows).apply(got)
+    assert torch.equal(got.cpu(), want)
+
+
 # -- the engine -----------------------------------------------------------------------------------
 
 SCHEMA = {
