@@ -87,7 +87,7 @@ async def trickler(port: int, flood: Flood, stop: asyncio.Event) -> None:
                 await asyncio.sleep(1.0)
                 writer.write(b"x")  # whether or not the server still reads
                 await writer.drain()
-        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, asyncio.LimitOverrunError):
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
         finally:
             flood.live["trickle"] -= 1

@@ -225,7 +225,7 @@ class Soak:
             return  # closed without reading a chunk
         try:
             resp = await asyncio.wait_for(c.post("/v1/completions", json=b), wait)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return  # the cancelled request closed its connection
         need(resp.status_code == 200, f"HTTP {resp.status_code}")
 
@@ -268,7 +268,7 @@ class Soak:
             t0, error = time.perf_counter(), ""
             try:
                 await asyncio.wait_for(run(), self.a.request_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 error = f"no reply within {self.a.request_timeout} s"
             except (Malformed, httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as e:
                 error = f"{type(e).__name__}: {e}"

@@ -8,7 +8,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -176,7 +176,7 @@ def write_section(out: Path, title: str, command: str, details: list[str], body:
 
     A results file holds its latest run: the first section a process writes replaces the file
     (earlier runs stay in the repository's history); its later sections follow that one."""
-    date = datetime.now(timezone.utc).strftime("%a %b %d %H:%M:%S UTC %Y")
+    date = datetime.now(UTC).strftime("%a %b %d %H:%M:%S UTC %Y")
     parts = [f"## {date}", f"Command: `{command}`", *details, body]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

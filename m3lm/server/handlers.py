@@ -246,7 +246,7 @@ async def merge(
         while live:
             try:
                 i, item = await asyncio.wait_for(q.get(), tick)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 yield None
                 continue
             if item is None:
