@@ -7,10 +7,15 @@ without loading torch; inside the package, modules import from the module that d
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING
 
 from m3lm.assets import DEFAULT_DRAFTER, DEFAULT_MODEL
+from m3lm.threads import quiet_waits
 from m3lm.version import __version__
+
+if "torch" not in sys.modules:  # OpenMP reads its wait policy when torch loads it
+    quiet_waits()
 
 if TYPE_CHECKING:
     from m3lm.config import EngineConfig, ModelArgs

@@ -52,14 +52,20 @@ class LLM:
         dtype: torch.dtype | str | None = None,
         load_format: str = "auto",
         skip_tokenizer_init: bool = False,
+        threads: int | None = None,
         **engine_kwargs: Any,
     ):
+        """`threads`: torch's CPU threads (default: m3lm's choice for the model, unless
+        OMP_NUM_THREADS or MKL_NUM_THREADS is set; `m3lm.threads`)."""
         from m3lm.distributed.launch import load_for_engine
+        from m3lm.threads import use_threads
 
         spec = LoadSpec(
             str(model), device, dtype, load_format=load_format, skip_tokenizer_init=skip_tokenizer_init
         )
         self.model, self.tokenizer, _ = load_for_engine(spec)
+        if threads is not None:
+            use_threads(self.model, threads)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**engine_kwargs))
 
     def get_default_sampling_params(self) -> SamplingParams:

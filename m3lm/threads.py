@@ -59,5 +59,19 @@ def use_threads(model, requested: int | None) -> int | None:
     torch.set_num_threads(n)
     with contextlib.suppress(RuntimeError):  # possible only before the first inter-op work
         torch.set_num_interop_threads(1)
-    log.info("torch runs on %d CPU thread%s", n, "s" if n > 1 else "")
+    if getattr(model, "_m3lm_threads", None) != n:
+        log.info("torch runs on %d CPU thread%s", n, "s" if n > 1 else "")
+    model._m3lm_threads = n
     return n
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def library_threads(model) -> int | None:
+    """The Python API's policy, applied when an engine is made for `model` (the CLI and the
+    server choose when they load): `use_threads`' default once a model, unless the caller chose
+    through OMP_NUM_THREADS or MKL_NUM_THREADS (torch's count is then left alone)."""
+    if hasattr(model, "_m3lm_threads") or any(os.environ.get(v) for v in THREAD_VARIABLES):
+        return None
+    return use_threads(model, None)

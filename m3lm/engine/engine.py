@@ -35,6 +35,7 @@ from m3lm.layers.linear import weight_bytes
 from m3lm.models.minimax_m3 import MiniMaxM3
 from m3lm.sampler import Sampler, logprobs, make_generator
 from m3lm.scheduler import Scheduler
+from m3lm.threads import library_threads
 
 log = logging.getLogger("m3lm.engine")
 GIB = 1 << 30
@@ -87,7 +88,9 @@ class LLMEngine:
     ):
         """`eos_ids`: stop tokens beyond the tokenizer's and generation_config's (a server's
         engine has no tokenizer of its own); `grammar_tokenizer` loads the tokenizer structured
-        output compiles its grammars against, when the engine has none (called when first needed)."""
+        output compiles its grammars against, when the engine has none (called when first needed).
+        On the CPU the first engine of a model sets torch's threads (`threads.library_threads`)."""
+        library_threads(model)
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
         self.generation_config = (

@@ -397,3 +397,37 @@ def test_cli_makes_openmp_threads_sleep_while_they_wait():
         [sys.executable, "-c", code], capture_output=True, text=True, env={**env, "OMP_WAIT_POLICY": "ACTIVE"}
     )
     assert out.stdout.splitlines()[-1] == "ACTIVE"
+
+
+LIBRARY = """
+import os, sys
+import m3lm
+import torch
+before = torch.get_num_threads()
+model, tok = m3lm.load(m3lm.DEFAULT_MODEL, device="cpu", dtype=torch.float32)
+m3lm.generate(model, tok, "Once", max_tokens=2, temperature=0.0)
+print(os.environ.get("OMP_WAIT_POLICY"), before, torch.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, ["PASSIVE", "1"]),
+        ({"OMP_NUM_THREADS": "2"}, ["PASSIVE", "2"]),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, ["ACTIVE", "1"]),
+    ],
+)
+def test_the_python_api_runs_a_small_model_on_one_sleeping_thread(env, want):
+    """As the CLI does: OpenMP's waits sleep when `import m3lm` comes before torch, and the first
+    engine of the embedded model sets one thread, unless the environment chose."""
+    keep = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    }
+    out = subprocess.run([sys.executable, "-c", LIBRARY], capture_output=True, text=True, env={**keep, **env})
+    policy, before, after = out.stdout.split()
+    assert [policy, after] == want, out.stderr[-2000:]
+    if "OMP_NUM_THREADS" in env:
+        assert before == after
