@@ -96,10 +96,20 @@ def _template_kwargs(args: argparse.Namespace) -> dict:
     return {"thinking_mode": args.thinking_mode} if args.thinking_mode else {}
 
 
-def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -> str:
+def _check_sampling(args: argparse.Namespace) -> None:
+    """Refuse sampling settings before anything loads (unset ones are the checkpoint's)."""
+    from m3lm.core import SamplingParams
+
+    SamplingParams(**{k: v for k, v in _sampling(args).items() if v is not None})
+
+
+def _stream(
+    model, tokenizer, args: argparse.Namespace, engine=None, interrupt: bool = False, **prompt
+) -> str:
     """Stream one reply: the answer to stdout, reasoning (if the model reasons) to stderr apart
     from it, stats to stderr. Ctrl-C stops the reply after the current step (the request is
-    aborted; the engine stays usable). Returns the answer's text."""
+    aborted; the engine stays usable), and then, with `interrupt`, raises KeyboardInterrupt
+    once the stats are out. Returns the answer's text."""
     import signal
     import threading
     import time
@@ -153,6 +163,8 @@ def _stream(model, tokenizer, args: argparse.Namespace, engine=None, **prompt) -
         f"generation: {n_gen} tokens, {gen_tps:.1f} tok/s{spec} | peak memory: {mem:.2f} GiB",
         file=sys.stderr,
     )
+    if interrupt and stop.is_set():
+        raise KeyboardInterrupt
     return printer.answer()
 
 
@@ -221,6 +233,7 @@ def _need_tokenizer(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _need_tokenizer(args)
+    _check_sampling(args)
     loaded = _load(args)
     if loaded is None:
         return 0
@@ -244,15 +257,17 @@ def _generate(model, tokenizer, args: argparse.Namespace) -> None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}
         ]
-        _stream(model, tokenizer, args, messages=messages, chat_template_kwargs=_template_kwargs(args))
+        kwargs = _template_kwargs(args)
+        _stream(model, tokenizer, args, interrupt=True, messages=messages, chat_template_kwargs=kwargs)
     else:
         sys.stdout.write(args.prompt)  # a text completion continues the prompt: print the whole text
-        _stream(model, tokenizer, args, prompt=args.prompt)
+        _stream(model, tokenizer, args, interrupt=True, prompt=args.prompt)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """A REPL that keeps the conversation (`chat_repl.py`)."""
     _need_tokenizer(args)
+    _check_sampling(args)
     loaded = _load(args)
     if loaded is None:  # a follower rank under torchrun: rank 0 has finished
         return 0

@@ -61,6 +61,16 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a port (0 to 65535)")
+    return n
+
+
 def _seconds(text: str) -> float:
     try:
         v = float(text)
@@ -88,7 +98,10 @@ def _device_flags(p: argparse.ArgumentParser) -> None:
         help="cpu, cuda or cuda:N (default: cuda when a CUDA GPU is visible, else cpu)",
     )
     p.add_argument(
-        "--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on a GPU, float32 on the CPU)"
+        "--dtype",
+        default=None,
+        choices=["float32", "fp32", "bfloat16", "bf16"],
+        help="float32 or bfloat16 (default: bfloat16 on a GPU, float32 on the CPU)",
     )
     p.add_argument(
         "--threads",
@@ -323,7 +336,7 @@ def build_parser(commands) -> argparse.ArgumentParser:
     srv.add_argument(
         "--host", default="127.0.0.1", help="the address to listen on; 0.0.0.0 for every interface"
     )
-    srv.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    srv.add_argument("--port", type=_port, default=8000, help="the port to listen on")
     srv.add_argument(
         "--api-key",
         default=None,

@@ -147,7 +147,8 @@ class LLMEngine:
         self.masks = Masks(args.vocab_size, self.device)
         self._compiling: list[Sequence] = []  # requests whose grammar is compiling
         self.requests: dict[str, Sequence] = {}
-        self._ids = itertools.count()
+        self._ids = itertools.count()  # sequence ids
+        self._request_ids = itertools.count()  # of requests added without one: req-0, req-1, ...
         log.info("%s", self.info.summary())
 
     def _load_drafter(self):
@@ -267,7 +268,7 @@ class LLMEngine:
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> Sequence:
         """Queue a request; raises ValueError for an empty, too long or out-of-vocabulary prompt."""
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = [int(t) for t in prompt_ids]

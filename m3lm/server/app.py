@@ -77,7 +77,15 @@ def build_app(
         engine.stop()
 
     # No trailing-slash redirects: their Location would be built from the client's Host header.
-    app = FastAPI(title="m3lm", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
+    # /openapi.json describes the API; no /docs or /redoc pages (they load their assets from a CDN)
+    app = FastAPI(
+        title="m3lm",
+        version="0.1.0",
+        lifespan=lifespan,
+        redirect_slashes=False,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.m3lm = state
 
     @app.exception_handler(ApiError)

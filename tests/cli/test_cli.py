@@ -431,3 +431,45 @@ def test_the_python_api_runs_a_small_model_on_one_sleeping_thread(env, want):
     assert [policy, after] == want, out.stderr[-2000:]
     if "OMP_NUM_THREADS" in env:
         assert before == after
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["serve", "--port", "99999"], "99999 is not a port (0 to 65535)"),
+        (["generate", "--prompt", "x", "--dtype", "fp16"], "invalid choice: 'fp16'"),
+    ],
+)
+def test_flags_out_of_range_are_refused_by_the_parser(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_bad_sampling_is_refused_before_the_model_loads(monkeypatch, capsys):
+    import m3lm.cli
+
+    monkeypatch.setattr(m3lm.cli, "_load", lambda args: pytest.fail("loaded the model"))
+    assert main(["generate", "--prompt", "x", "--temperature", "-1"]) == 1
+    assert capsys.readouterr().err.strip() == "m3lm: error: temperature = -1.0: must be in [0, 100]"
+
+
+def test_ctrl_c_during_generate_stops_the_reply_and_exits_130(monkeypatch, capsys):
+    """The reply stops after the current step, its stats are printed, and the exit says so."""
+    import signal
+
+    import m3lm.generation
+
+    real = m3lm.generation.stream_generate
+
+    def interrupted(*args, **kwargs):
+        for i, chunk in enumerate(real(*args, **kwargs)):
+            if i == 3:
+                signal.raise_signal(signal.SIGINT)
+            yield chunk
+
+    monkeypatch.setattr(m3lm.generation, "stream_generate", interrupted)
+    argv = ["generate", "--prompt", "Once", "--max-tokens", "50", "--ignore-eos", "--device", "cpu"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "(stopped)" in err and "generation: 4 tokens" in err and err.rstrip().endswith("m3lm: interrupted")

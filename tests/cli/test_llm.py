@@ -18,6 +18,7 @@ def test_generate_batches_prompts_in_order(path):
     params = m3lm.SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)
     assert [o.prompt for o in outs] == [prompts[0], prompts[1], None, prompts[3]]
+    assert [o.request_id for o in outs] == ["req-0", "req-1", "req-2", "req-3"]
     model, tok = llm.model, llm.tokenizer
     for p, o in zip(prompts, outs, strict=True):
         alone = m3lm.generate(model, tok, p, max_tokens=9, temperature=0.0, ignore_eos=True)

@@ -136,6 +136,13 @@ def test_api_key_on_every_route_but_health(live):
         bad.models.list()
 
 
+def test_the_openapi_schema_is_served_and_no_docs_page(live):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert "/v1/chat/completions" in httpx.get(live.url + "/openapi.json", headers=auth).json()["paths"]
+    for page in ("/docs", "/redoc"):
+        assert httpx.get(live.url + page, headers=auth).status_code == 404
+
+
 def test_models_tokenize_detokenize(client, live):
     assert [m.id for m in client.models.list().data] == [NAME]
     auth = {"Authorization": f"Bearer {API_KEY}"}
