@@ -178,8 +178,9 @@ def _compile_flag(p: argparse.ArgumentParser) -> None:
         "--compile",
         dest="cpu_compile",
         action="store_true",
-        help="on the CPU, run each decode step as one compiled program (2-3x faster decode; "
-        "compiling takes tens of seconds before the first step, or at a server's warm-up)",
+        help="on the CPU, run each decode step as one compiled program (about 4x the decode speed "
+        "at batch 1, 2x at batch 16; compiling takes tens of seconds before the first step, or at "
+        "a server's warm-up)",
     )
 
 
