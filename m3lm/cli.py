@@ -126,7 +126,15 @@ def _stream(
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    compiled_before = engine is not None and getattr(engine.runner.graphs, "compile_s", 0.0)
+    if (
+        getattr(args, "cpu_compile", False)
+        and not compiled_before
+        and model.lm_head.weight.device.type == "cpu"
+    ):
+        print("m3lm: --compile: the first decode step compiles it first (tens of seconds)", file=sys.stderr)
     start, first, n_prompt, n_gen, cached, accept = time.perf_counter(), None, 0, 0, 0, None
+    compile_s = compiled = None  # the engine's compile seconds at the first chunk, and since
     chunks = stream_generate(
         model,
         tokenizer,
@@ -143,6 +151,8 @@ def _stream(
             printer.add(chunk.token_ids, chunk.text)
             n_prompt, n_gen, cached = chunk.prompt_tokens, chunk.generation_tokens, chunk.cached_tokens
             accept = chunk.acceptance_length
+            compile_s = chunk.compile_s if compile_s is None else compile_s  # an engine's total
+            compiled = chunk.compile_s - compile_s
             if stop.is_set():
                 break
     finally:
@@ -154,10 +164,13 @@ def _stream(
     if stop.is_set():
         print("(stopped)", file=sys.stderr)
     first = first or end
-    gen_tps = (n_gen - 1) / (end - first) if n_gen > 1 and end > first else 0.0
+    compiled = compiled or 0.0
+    decoding = end - first - compiled  # a compile of the decode step is not decoding
+    gen_tps = (n_gen - 1) / decoding if n_gen > 1 and decoding > 0 else 0.0
     mem = peak_memory_bytes(model.lm_head.weight.device) / 2**30
     reused = f" ({cached} cached)" if cached else ""
     spec = f" | mean acceptance length: {accept:.2f}" if accept is not None else ""
+    spec += f" | compiling: {compiled:.1f} s" if compiled else ""
     print(
         f"prompt: {n_prompt} tokens{reused}, {(n_prompt - cached) / max(first - start, 1e-9):.1f} tok/s | "
         f"generation: {n_gen} tokens, {gen_tps:.1f} tok/s{spec} | peak memory: {mem:.2f} GiB",

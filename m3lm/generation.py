@@ -29,6 +29,7 @@ class GenerationChunk:
     cached_tokens: int = 0  # prompt tokens found in the engine's prefix cache (`session_engine`)
     # with speculative decoding: tokens a verification step emitted on average so far
     acceptance_length: float | None = None
+    compile_s: float = 0.0  # seconds the engine's decode steps spent compiling so far (CPU --compile)
 
 
 @dataclass
@@ -126,6 +127,7 @@ def stream_generate(
                 generation_tokens=len(seq.output_ids),
                 cached_tokens=seq.num_prefix_cached,
                 acceptance_length=1 + seq.num_accepted / seq.num_drafts if seq.num_drafts else None,
+                compile_s=getattr(engine.runner.graphs, "compile_s", 0.0),
             )
     finally:  # a consumer that stops early (or an error) leaves a shared engine idle
         engine.abort(seq.request_id)

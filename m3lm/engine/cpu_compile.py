@@ -15,6 +15,7 @@ weights' memory doubles, and a change to the weights after the compile is not se
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -50,6 +51,7 @@ class CompiledDecode:
         self.buckets = [1, 2] if max_batch > 1 else [1]  # a graph each: 1, and every B >= 2
         self.failed: str | None = None  # why compiling failed: every step then runs eagerly
         self._compiled_shapes: set[int] = set()
+        self.compile_s = 0.0  # seconds spent compiling graphs so far
         self._warm = False  # after `capture_all`: a new graph runs eagerly, never compiles
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self._compiled = torch.compile(self._step, fullgraph=True)
@@ -110,8 +112,10 @@ class CompiledDecode:
             # The batch of one's loops on one thread: waking a second costs more than its tiny
             # loops take (larger batches keep torch's threads).
             options = {"freezing": True, **({"cpp.threads": 1} if b == 1 else {})}
+            start = time.perf_counter()
             with fx_config.patch(use_duck_shape=False), inductor_config.patch(options):
                 out = self._compiled(*args)
+            self.compile_s += time.perf_counter() - start
             self._compiled_shapes.add(b)
             return out
         # The model and the caches never change under a graph, and the padding keeps every

@@ -473,3 +473,32 @@ def test_ctrl_c_during_generate_stops_the_reply_and_exits_130(monkeypatch, capsy
     assert main(argv) == 130
     err = capsys.readouterr().err
     assert "(stopped)" in err and "generation: 4 tokens" in err and err.rstrip().endswith("m3lm: interrupted")
+
+
+def test_compile_is_announced_and_kept_out_of_the_generation_rate(monkeypatch, capsys):
+    """What the engine reports as compile seconds is said apart and not counted as decoding."""
+    import m3lm.generation
+
+    real = m3lm.generation.stream_generate
+
+    def compiling(*args, **kwargs):
+        for i, chunk in enumerate(real(*args, **kwargs)):
+            chunk.compile_s = 0.0 if i == 0 else 12.0  # the first decode step compiled
+            yield chunk
+
+    monkeypatch.setattr(m3lm.generation, "stream_generate", compiling)
+    argv = [
+        "generate",
+        "--prompt",
+        "Once",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--device",
+        "cpu",
+        "--compile",
+    ]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "m3lm: --compile: the first decode step compiles it first" in err
+    assert "| compiling: 12.0 s |" in err
