@@ -1,9 +1,10 @@
-"""The README's Python examples run as written, on the embedded model (the server example
-against a real `m3lm serve`, its port being the only change)."""
+"""The README's Python examples, and docs/server.md's, run as written, on the embedded model (the
+server examples against a real `m3lm serve`, its port being the only change)."""
 
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -12,6 +13,13 @@ from tests.support.processes import Serve
 
 README = (REPO / "README.md").read_text()
 SNIPPETS = re.findall(r"^```python\n(.*?)^```", README, re.M | re.S)
+SERVER_DOC = [  # its server examples, some indented under a list item
+    textwrap.dedent(code)
+    for _, code in re.findall(
+        r"^( *)```python\n(.*?)^\1```", (REPO / "docs" / "server.md").read_text(), re.M | re.S
+    )
+    if "127.0.0.1:8000" in code
+]
 
 
 def run(code: str, tmp_path) -> subprocess.CompletedProcess:
@@ -35,8 +43,10 @@ def test_a_python_example_runs(index, tmp_path):
 
 
 def test_the_server_examples_run_against_m3lm_serve(tmp_path):
-    """Chat completions, Responses and Anthropic's Messages, against one server."""
-    codes = SNIPPETS[2:]
+    """Chat completions, Responses and Anthropic's Messages (and docs/server.md's structured
+    output), against one server; each prints what the model said."""
+    codes = SNIPPETS[2:] + SERVER_DOC
+    assert len(SERVER_DOC) >= 3
     assert all("http://127.0.0.1:8000" in c and 'api_key="KEY"' in c for c in codes)
     server = Serve("--api-key", "KEY")
     try:
