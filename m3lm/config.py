@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from m3lm.errors import CheckpointError, ConfigError
+from m3lm.errors import ConfigError
 from m3lm.speculative.config import SpeculativeConfig
 
 SESSION_CONTEXT = 32768  # `session_engine`'s default context, in tokens (`m3lm chat`'s)
@@ -575,41 +574,3 @@ class EngineConfig:
         if self.msa_dense_window is not None and not self.msa_dense_window > 0:
             raise ConfigError(f"msa_dense_window = {self.msa_dense_window!r} must be > 0")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-
-
-LOCAL_ONLY = (
-    "m3lm reads a local checkpoint directory (config.json, safetensors, tokenizer) and never downloads"
-)
-
-
-def check_dir(path: str | Path) -> Path:
-    path = Path(path).expanduser()
-    if not path.exists():
-        if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
-            raise CheckpointError(
-                f"model path {path} does not exist; if it names a model on a hub: {LOCAL_ONLY}, so "
-                "download it first and pass its directory"
-            )
-        raise CheckpointError(f"model path {path} does not exist ({LOCAL_ONLY})")
-    if not path.is_dir():
-        kind = "a GGUF file" if path.suffix.lower() == ".gguf" else "a file"
-        raise CheckpointError(f"model path {path} is {kind}: {LOCAL_ONLY}")
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path}: no config.json (not a model checkpoint directory)")
-    check_inside(path, path / "config.json")
-    return path
-
-
-def inside(folder: Path, f: Path) -> bool:
-    """Whether a file of the checkpoint, its symlinks followed, stays in the model folder (a
-    checkpoint may not make us read files elsewhere). A hub cache's snapshot folder
-    (`.../snapshots/<revision>`) links its files into the repository's `blobs` folder: those stay."""
-    root, target = folder.resolve(), f.resolve()
-    return target.is_relative_to(root) or (
-        root.parent.name == "snapshots" and target.is_relative_to(root.parent.parent / "blobs")
-    )
-
-
-def check_inside(folder: Path, f: Path) -> None:
-    if not inside(folder, f):
-        raise CheckpointError(f"{f} leads outside the model folder (to {f.resolve()})")

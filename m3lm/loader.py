@@ -24,13 +24,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from m3lm.config import ModelArgs, check_dir, check_inside, inside
+from m3lm.config import ModelArgs
 from m3lm.device import resolve_device
 from m3lm.distributed.parallel import SINGLE, ParallelConfig
 from m3lm.distributed.shard import localize, mxfp8_split_errors, param_shard
 from m3lm.errors import CheckpointError
 from m3lm.kernels.fp8 import MX_BLOCK, quantize_mxfp8
 from m3lm.layers.linear import weight_bytes
+from m3lm.model_dir import check_dir, check_inside, inside
 from m3lm.models.minimax_m3 import MiniMaxM3, Piece, release_name, remap_key
 from m3lm.weight_copy import write_piece, write_slice
 

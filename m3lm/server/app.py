@@ -341,9 +341,10 @@ def serve(
     torch's CPU threads in the process that runs the model (`m3lm.threads`); `web_ui`: the chat
     page at /; `engine_kwargs`: EngineConfig fields.
     """
-    from m3lm.config import EngineConfig, check_dir
+    from m3lm.config import EngineConfig
     from m3lm.device import resolve_device, under_torchrun
     from m3lm.engine.messages import EngineSpec
+    from m3lm.model_dir import check_dir
     from m3lm.tokenizer import load_tokenizer
 
     limits = room_for_connections(limits or Limits())

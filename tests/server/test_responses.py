@@ -17,7 +17,7 @@ from openai.types.shared import Reasoning
 
 from m3lm.server.protocol import Limits
 from m3lm.server.response_store import ResponseStore
-from m3lm.server.responses import chat_messages
+from m3lm.server.responses_request import chat_messages
 from tests.support.live_server import API_KEY, stalled_engine, wait_idle
 from tests.support.story_server import NAME, failing_after, scripted, tool_call_ids
 
@@ -290,7 +290,7 @@ def test_fields_coding_clients_send(client, story_live):
         "truncation": ("auto", "truncation"),
         "background": (True, "background"),
         "include": (["message.output_text.logprobs"], "include"),
-        "tools": ([{"type": "web_search"}], "web_search"),
+        "tools": ([{"type": "hologram"}], "hologram"),  # web_search and the like are left out instead
         "input": ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input_image"),
         "tool_choice": ({"type": "function", "name": "nope"}, "nope"),
     }
@@ -431,3 +431,59 @@ def test_an_agent_calls_its_tool_and_answers(story_live, stream):
     ]
     render = [tok.apply_chat_template(m, tools=tools, thinking_mode="disabled") for m in (question, exchange)]
     assert prompts == render
+
+
+def test_codex_namespace_tools_go_round_trip_and_hosted_tools_are_left_out(story_live):
+    """As Codex sends them: an MCP server's functions in a `namespace` tool beside a hosted
+    `web_search`. The model sees `mcp__weather__get_weather` (and no web search); its call comes
+    back as `get_weather` in namespace `mcp__weather`, and sent back so it is the same call."""
+    tok = story_live.tok
+    eos = tok.hf.eos_token_id
+    call = [*tool_call_ids(tok, "mcp__weather__get_weather", [("city", "paris")]), eos]
+    answer = [*tok.encode("It is sunny."), eos]
+    prompts: list[str] = []
+
+    def reply(prompt: list[int]) -> list[int]:
+        prompts.append(tok.decode(prompt))
+        return answer if "<response>" in prompts[-1] else call
+
+    fn = {k: v for k, v in WEATHER.items() if k != "type"}
+    tools = [
+        {
+            "type": "namespace",
+            "name": "mcp__weather",
+            "description": "Weather tools",
+            "tools": [{"type": "function", **fn}],
+        },
+        {"type": "web_search", "external_web_access": False},
+    ]
+    base = {
+        "model": NAME,
+        "tools": tools,
+        "reasoning": {"effort": "none"},
+        "max_output_tokens": 64,
+        "store": False,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = story_live.url + "/v1/responses"
+    with scripted(story_live, reply):
+        first = httpx.post(url, json={**base, "input": "Weather in Paris?"}, headers=headers, timeout=60)
+        assert first.status_code == 200, first.text
+        (item,) = first.json()["output"]
+        assert (item["type"], item["namespace"], item["name"]) == (
+            "function_call",
+            "mcp__weather",
+            "get_weather",
+        )
+        assert item["arguments"] == '{"city": "paris"}'
+        sent_back = [
+            {"type": "message", "role": "user", "content": "Weather in Paris?"},
+            {k: item[k] for k in ("type", "call_id", "namespace", "name", "arguments")},
+            {"type": "function_call_output", "call_id": item["call_id"], "output": "sunny"},
+        ]
+        second = httpx.post(url, json={**base, "input": sent_back}, headers=headers, timeout=60)
+        assert second.status_code == 200, second.text
+    assert second.json()["output"][0]["content"][0]["text"] == "It is sunny."
+    assert "mcp__weather__get_weather" in prompts[0] and "web_search" not in prompts[0]
+    history = next(p for p in prompts if "<response>" in p)  # the second request's
+    assert history.count('<invoke name="mcp__weather__get_weather">') == 1  # the call, sent back
