@@ -327,6 +327,35 @@ def test_the_default_model_is_served():
         server.stop()
 
 
+def test_max_tokens_past_the_context_is_capped_on_every_api(served_checkpoint):
+    """As Claude Code asks for 32,000 tokens whatever the context: each API generates to the end
+    of the context (a prompt that does not fit alone is still refused)."""
+    import anthropic
+
+    server = start(served_checkpoint, api_key=None, max_model_len=128)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        text = client.completions.create(
+            model=NAME, prompt="once upon", max_tokens=32000, extra_body={"ignore_eos": True}
+        )
+        assert text.choices[0].finish_reason == "length"
+        assert text.usage.prompt_tokens + text.usage.completion_tokens == 128
+        claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+        with claude.messages.stream(  # the SDK streams a request that long, as Claude Code does
+            model=NAME,
+            max_tokens=32000,
+            messages=[{"role": "user", "content": "Hi"}],
+            extra_body={"ignore_eos": True},
+        ) as stream:
+            messages = stream.get_final_message()
+        assert messages.stop_reason == "max_tokens"
+        assert messages.usage.input_tokens + messages.usage.output_tokens == 128
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=NAME, prompt=[5] * 200, max_tokens=1)
+    finally:
+        server.stop()
+
+
 def test_chat_without_max_tokens_runs_to_the_end_of_the_context(served_checkpoint):
     server = start(served_checkpoint, api_key=None, max_model_len=128)
     try:

@@ -398,12 +398,12 @@ def test_bad_input_gets_a_clear_error_and_loses_nothing(browser, story):
         page.click("#send")
         expect(page.locator("#error")).to_contain_text("Temperature: ")
         assert page.guard.chats == []  # neither reached the server
-        settings(page, temperature="", max_tokens="5000")
+        settings(page, temperature="", tools='[{"type": "function", "function": {}}]')
         page.click("#send")  # the server refuses it: its message shows, the text goes back
-        expect(page.locator("#error")).to_have_text("max_tokens = 5000 exceeds the context length 1024")
+        expect(page.locator("#error")).to_have_text("tools.0.function.name: Field required")
         expect(page.locator("#prompt")).to_have_value("Hello there")
         expect(page.locator("#conversation > li")).to_have_count(0)
-        settings(page, max_tokens="4")
+        settings(page, tools="", max_tokens="4")
         page.click("#send")
         reply_done(page)
         assert page.locator("#error").text_content() == ""
