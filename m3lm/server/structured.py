@@ -138,12 +138,24 @@ def chat_rules(
     (`GrammarChecks`)."""
     answer = answer_format(req.response_format, req.structured_outputs)
     rules = output_rules(answer, tools, req.tool_choice, plan, req.parallel_tool_calls, fmt)
-    return rules, thinking_control(fmt, mode, req.thinking_token_budget, rules is not None)
+    budget = req.thinking_token_budget
+    if rules is not None and budget is None:  # forced output must arrive: reasoning ends in time
+        limit = req.max_completion_tokens or req.max_tokens
+        budget = (
+            FORCED_REASONING_BUDGET if limit is None else min(FORCED_REASONING_BUDGET, max(1, limit // 2))
+        )
+    return rules, thinking_control(fmt, mode, budget, rules is not None)
 
 
 def completion_rules(req: Any) -> StructuredOutput | None:
     """A text completion's output rule (from its first token), to be checked (`GrammarChecks`)."""
     return answer_format(req.response_format, req.structured_outputs)
+
+
+# Under a grammar (a schema, a forced tool call) a reply that reasons and never closes its
+# reasoning would end with no answer: without a budget of the request's, reasoning gets this
+# many tokens, or half of max_tokens when that is less, and then the closer is forced.
+FORCED_REASONING_BUDGET = 2048
 
 
 def thinking_control(

@@ -474,6 +474,28 @@ def test_required_and_named_tool_choice_always_call_in_m3_format(client):
         check_calls(tools, calls, None if choice == "required" else "tool_1")
 
 
+@pytest.mark.parametrize("mode", ["enabled", "adaptive"])
+def test_forced_output_arrives_after_reasoning_without_a_budget(client, mode):
+    """The story model never closes its reasoning by itself: with no budget of the request's, a
+    grammar's reasoning still ends at half of max_tokens, and the forced call or choice follows."""
+    rng = random.Random(5)
+    tools = tools_for(rng, strict=None)
+    extra = {"chat_template_kwargs": {"thinking_mode": mode}}
+    limit = 2 * block_bound(tools)
+    for seed in range(3):
+        content, reasoning, calls, finish = collect(
+            client, False, model=NAME, messages=MSG, temperature=1, seed=seed, tools=tools,
+            tool_choice="required", parallel_tool_calls=False, max_tokens=limit, extra_body=extra,
+        )  # fmt: skip
+        assert finish == "tool_calls" and len(calls) == 1, (reasoning, content, calls, finish)
+        check_calls(tools, calls, None)
+        r = client.chat.completions.create(
+            model=NAME, messages=MSG, temperature=1, seed=seed, max_tokens=16,
+            extra_body={"structured_outputs": {"choice": ["yes", "no"]}, **extra},
+        )  # fmt: skip
+        assert r.choices[0].message.content in ("yes", "no") and r.choices[0].finish_reason == "stop"
+
+
 def test_parallel_calls_and_strict_tools_under_auto(client):
     """Parallel calls under "required", and strict tools under "auto" (the reply may be text; the
     test raises the namespace token's logit so the model opens a block, and the block closer's so
