@@ -14,7 +14,9 @@ The mapping:
   `redacted_thinking` blocks are accepted and skipped (this server never redacts, so they hold
   nothing it could render); `cache_control` markers are accepted (prefix caching is automatic);
 - `thinking` `enabled` / `adaptive` / `disabled` is the template's `thinking_mode`; without it the
-  template's default (adaptive) holds; `budget_tokens` is accepted and not enforced;
+  template's default (adaptive) holds; with `enabled`, `budget_tokens` is chat's
+  `thinking_token_budget` (after that many thinking tokens the closer is forced; it must be
+  under `max_tokens`, as Anthropic's rule says; budgets under Anthropic's 1,024 are accepted);
 - `tool_choice` `auto` / `none` / `any` / `tool` is chat's `auto` / `none` / `required` / a named
   function, with the same enforcement (`parsers.plan_tool_choice`); `disable_parallel_tool_use`
   is `parallel_tool_calls: false`;
@@ -314,6 +316,11 @@ def chat_request(req: CountTokensRequest, signer: ThinkingSigner) -> ChatComplet
             stop=req.stop_sequences,
             stream=req.stream,
         )
+        budget = req.thinking.budget_tokens if req.thinking and req.thinking.type == "enabled" else None
+        if budget is not None:  # enforced as chat's thinking_token_budget, on Anthropic's rule
+            if budget < 1 or budget >= req.max_tokens:
+                raise ValueError("`max_tokens` must be greater than `thinking.budget_tokens`")
+            body["thinking_token_budget"] = budget
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:

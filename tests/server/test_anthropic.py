@@ -75,14 +75,15 @@ def check_order(events: list) -> None:
 
 @pytest.mark.parametrize("mode", ["disabled", "enabled"])
 def test_create_agrees_with_chat_completions_streamed_and_not(client, chat, mode):
-    thinking = {"type": "enabled", "budget_tokens": 1024} if mode == "enabled" else {"type": mode}
+    thinking = {"type": "enabled", "budget_tokens": 6} if mode == "enabled" else {"type": mode}
     m = client.messages.create(model=NAME, max_tokens=16, messages=STORY, thinking=thinking, **GREEDY)
+    budget = {"thinking_token_budget": 6} if mode == "enabled" else {}  # the same rule, enforced
     ref = chat.chat.completions.create(
         model=NAME,
         messages=STORY,
         max_tokens=16,
         temperature=0,
-        extra_body={"chat_template_kwargs": {"thinking_mode": mode}},
+        extra_body={"chat_template_kwargs": {"thinking_mode": mode}, **budget},
     )
     msg = ref.choices[0].message
     reasoning = msg.model_extra.get("reasoning_content")
@@ -91,6 +92,8 @@ def test_create_agrees_with_chat_completions_streamed_and_not(client, chat, mode
     )
     assert expected and [(b.type, getattr(b, b.type)) for b in m.content] == expected
     assert (mode == "enabled") == (m.content[0].type == "thinking")
+    if mode == "enabled":  # six thinking tokens, then the answer
+        assert [b.type for b in m.content] == ["thinking", "text"]
     reason = {"length": "max_tokens", "stop": "end_turn"}[ref.choices[0].finish_reason]
     assert m.stop_reason == reason and m.stop_sequence is None
     assert m.usage.output_tokens == ref.usage.completion_tokens
@@ -117,8 +120,17 @@ def test_create_agrees_with_chat_completions_streamed_and_not(client, chat, mode
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == ref.usage.prompt_tokens
 
 
+def test_a_thinking_budget_must_be_under_max_tokens(client):
+    with pytest.raises(
+        anthropic.BadRequestError, match="`max_tokens` must be greater than `thinking.budget_tokens`"
+    ):
+        client.messages.create(
+            model=NAME, max_tokens=16, messages=STORY, thinking={"type": "enabled", "budget_tokens": 16}
+        )
+
+
 def test_thinking_blocks_go_back_with_their_signature(client):
-    thinking = {"type": "enabled", "budget_tokens": 1024}
+    thinking = {"type": "enabled", "budget_tokens": 3}
     first = client.messages.create(model=NAME, max_tokens=12, messages=STORY, thinking=thinking, **GREEDY)
     block = first.content[0]
     assert block.type == "thinking" and block.thinking and block.signature
@@ -340,7 +352,15 @@ def test_errors_are_anthropics_and_both_key_headers_work(client, story_live):
             },
             "web_search",
         ),
-        ({"model": NAME, "max_tokens": 100000, "messages": STORY}, "max_tokens"),
+        (  # (a max_tokens past the context is capped, as on every API)
+            {
+                "model": NAME,
+                "max_tokens": 8,
+                "messages": STORY,
+                "thinking": {"type": "enabled", "budget_tokens": 8},
+            },
+            "budget_tokens",
+        ),
     ):
         r = httpx.post(story_live.url + "/v1/messages", json=body, headers=headers)
         assert r.status_code == 400, r.text
