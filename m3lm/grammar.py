@@ -340,7 +340,7 @@ def m3_tool_calls(
             )
         schema = fn.get("parameters") or {"type": "object", "properties": {}}
         _check_element_names(name, schema)
-        args = JSONSchemaFormat(json_schema=schema, style="minimax_m3_xml", max_whitespace_cnt=1)
+        args = JSONSchemaFormat(json_schema=xml_schema(schema), style="minimax_m3_xml", max_whitespace_cnt=1)
         return SequenceFormat(
             elements=[
                 ns,
@@ -373,6 +373,31 @@ def m3_tool_calls(
     tag = StructuralTag(format=fmt).model_dump_json()
     markers = ((NAMESPACE, ids.ns), ("<tool_call>", ids.open), ("</tool_call>", ids.close))
     return StructuredOutput("structural_tag", tag, markers)
+
+
+STRING_LIMITS = ("minLength", "maxLength", "pattern", "format")
+
+
+def xml_schema(schema: Any, depth: int = 0) -> Any:
+    """A tool's parameter schema as M3's XML argument grammar can enforce it: without the string
+    limits (`STRING_LIMITS`) it cannot carry, which real tool schemas (MCP servers, coding tools)
+    hold. The call's structure, types, enums and numbers stay enforced; the client checks the
+    string limits it declared, as it does for any model's call."""
+    if depth > 64 or not isinstance(schema, Mapping):
+        return schema
+    out = {k: v for k, v in schema.items() if k not in STRING_LIMITS}
+    if isinstance(props := schema.get("properties"), Mapping):
+        out["properties"] = {name: xml_schema(sub, depth + 1) for name, sub in props.items()}
+    for key in ("items", "additionalProperties"):
+        if key in schema:
+            out[key] = xml_schema(schema[key], depth + 1)
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(subs := schema.get(key), list):
+            out[key] = [xml_schema(sub, depth + 1) for sub in subs]
+    for key in ("$defs", "definitions"):
+        if isinstance(defs := schema.get(key), Mapping):
+            out[key] = {name: xml_schema(sub, depth + 1) for name, sub in defs.items()}
+    return out
 
 
 def _check_element_names(tool: str, schema: Any, depth: int = 0) -> None:

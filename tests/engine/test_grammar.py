@@ -17,7 +17,7 @@ from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams, StructuredOutput, ThinkingControl
 from m3lm.engine.constraints import Constraint, Masks, mask_logits
 from m3lm.engine.engine import LLMEngine
-from m3lm.grammar import M3Tokens, bind_markers, check, grammar, library_message, m3_tool_calls
+from m3lm.grammar import M3Tokens, bind_markers, check, grammar, library_message, m3_tool_calls, xml_schema
 from m3lm.text.reasoning import ReplyFormat, ThinkingMode, parse_reply
 from m3lm.text.tool_calls import ToolCallParser, parse_tool_calls
 
@@ -78,13 +78,23 @@ def test_a_spec_the_library_refuses_is_a_value_error_that_names_the_problem(ids)
         check(StructuredOutput("json", '{"type": "object", "properties": {"a": {"type": "nope"}}}'))
     with pytest.raises(ValueError, match="choice"):
         check(StructuredOutput("choice", "[]"))
-    # a string length is more than M3's XML argument grammar can carry: the library says so
+    # string limits are more than M3's XML argument grammar can carry: the call's structure is
+    # enforced without them (real tool schemas hold them), never refused
+    limited = {"type": "string", "maxLength": 3, "minLength": 1, "pattern": "^[a-z]+$", "format": "uri"}
     tool = {
         "name": "f",
-        "parameters": {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}},
+        "parameters": {
+            "type": "object",
+            "properties": {"s": limited, "pattern": {"type": "array", "items": limited}},
+            "$defs": {"d": limited},
+        },
     }
-    with pytest.raises(ValueError, match="length constraints are not supported by minimax_m3_xml"):
-        check(m3_tool_calls([tool], "required", True, ids))
+    check(m3_tool_calls([tool], "required", True, ids))
+    assert xml_schema(tool["parameters"]) == {
+        "type": "object",
+        "properties": {"s": {"type": "string"}, "pattern": {"type": "array", "items": {"type": "string"}}},
+        "$defs": {"d": {"type": "string"}},
+    }
     with pytest.raises(ValueError, match="element name"):
         m3_tool_calls(
             [{"name": "f", "parameters": {"properties": {"a b": {"type": "integer"}}}}], "f", True, ids

@@ -341,16 +341,13 @@ def test_what_cannot_be_enforced_is_a_400_that_says_why(client):
                         "type": "function",
                         "function": {
                             "name": "f",
-                            "parameters": {
-                                "type": "object",
-                                "properties": {"s": {"type": "string", "maxLength": 3}},
-                            },
+                            "parameters": {"type": "object", "additionalProperties": {"type": "string"}},
                         },
                     }
                 ],
                 "tool_choice": "required",
             },
-            "minimax_m3_xml",
+            "fixed object property names",
         ),
         (
             {
@@ -545,3 +542,28 @@ def test_langchain_with_structured_output(server):
     for method in ("json_schema", "function_calling"):
         out = llm.with_structured_output(Weather, method=method).invoke("What is the weather?")
         assert isinstance(out, Weather), (method, out)
+
+
+def test_tool_parameters_with_string_limits_are_called_not_refused(client):
+    """LangChain's max_length fields, MCP servers' patterns and formats: the call is forced with
+    its structure (here an enum, which the story model ends), the string limits left to the client."""
+    host = {
+        "type": "string",
+        "enum": ["a.org", "b.org"],
+        "maxLength": 8,
+        "pattern": "^[a-z.]+$",
+        "format": "hostname",
+    }
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {"type": "object", "properties": {"host": host}, "required": ["host"]},
+        },
+    }
+    r = client.chat.completions.create(
+        model=NAME, messages=MSG, tools=[tool], tool_choice="required", max_tokens=64, temperature=0,
+        parallel_tool_calls=False, extra_body={"chat_template_kwargs": {"thinking_mode": "disabled"}},
+    )  # fmt: skip
+    call = r.choices[0].message.tool_calls[0].function
+    assert call.name == "lookup" and json.loads(call.arguments) in ({"host": "a.org"}, {"host": "b.org"})
