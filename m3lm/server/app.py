@@ -259,7 +259,9 @@ def create_server_app(
     # Without a tokenizer prompts are token ids: 24 bytes of JSON each at most, as 2 characters are.
     chars = tokenizer.max_token_chars if tokenizer is not None else 2
     bound = body_bound(limits, state.max_prompt_tokens, chars)
-    public = {"/health", *(web.PATHS if web_ui else ())}
+    # no key: liveness, the chat page's files and the tokenizer's public facts (lm-eval reads them
+    # before it sends a key); /metrics keeps the key (Prometheus sends it as a bearer token)
+    public = {"/health", "/tokenizer_info", *(web.PATHS if web_ui else ())}
     guarded = RequestLimits(app, bound, limits.max_header_bytes, limits.body_timeout_s, public)
     return JsonErrors(ApiKeyAuth(guarded, keys, public) if keys else guarded)
 

@@ -119,8 +119,9 @@ def test_raw_protocol_errors(live):
     assert httpx.post(live.url + "/v1/completions", json={"prompt": ""}, headers=auth).status_code == 400
 
 
-def test_api_key_on_every_route_but_health(live):
+def test_api_key_on_every_route_but_health_and_tokenizer_info(live):
     assert httpx.get(live.url + "/health").status_code == 200
+    assert httpx.get(live.url + "/tokenizer_info").json()["eos_token"]  # lm-eval reads it keyless
     for method, path in [
         ("GET", "/v1/models"),
         ("GET", "/metrics"),
