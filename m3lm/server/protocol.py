@@ -293,6 +293,17 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None
     reasoning: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        """Name a part this model cannot read (an image, audio, a file) rather than its shape."""
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"{kind} parts are not supported: this model reads text")
+        return data
+
     def for_template(self) -> dict[str, Any]:
         """The fields the API defines (unknown ones are ignored, not shown to the template)."""
         msg = self.model_dump(exclude_none=True, exclude={"content", *(self.model_extra or {})})

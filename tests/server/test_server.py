@@ -98,6 +98,18 @@ def test_bad_requests_get_400_with_an_error_object(live, body):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
 
 
+def test_an_image_part_is_refused_by_what_it_is(client):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(
+        openai.BadRequestError, match="image_url parts are not supported: this model reads text"
+    ):
+        client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}],
+            max_tokens=2,
+        )
+
+
 def test_raw_protocol_errors(live):
     auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     assert (
