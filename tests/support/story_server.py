@@ -20,9 +20,9 @@ NAME = "story"
 
 
 @contextmanager
-def story_server(max_model_len: int = 256):
-    """A LiveServer with `.engine`, `.model` and `.tok`."""
-    model, tok = m3lm.load(m3lm.DEFAULT_MODEL, device="cpu", dtype="float32")
+def story_server(max_model_len: int = 256, checkpoint=m3lm.DEFAULT_MODEL):
+    """A LiveServer with `.engine`, `.model` and `.tok` (`checkpoint`: a copy of the story model)."""
+    model, tok = m3lm.load(checkpoint, device="cpu", dtype="float32")
     engine = AsyncEngine(
         LLMEngine(model, tok, EngineConfig(max_model_len=max_model_len, max_num_seqs=8))
     ).start()
