@@ -570,3 +570,35 @@ def test_tool_parameters_with_string_limits_are_called_not_refused(client):
             "a.org",
             "b.org",
         )
+
+
+def test_a_compile_past_the_engines_budget_is_a_400_over_http(story_live, monkeypatch):
+    """The engine's grammar compile (two threads, here both held) has a budget: the request
+    past it gets a 400 that says so, and the server goes on serving."""
+    import threading
+
+    from m3lm.engine import constraints
+    from m3lm.engine import engine as engine_mod
+    from tests.support.live_server import API_KEY
+
+    gate = threading.Event()
+    real = constraints.Grammars._compile
+
+    def held(self, spec):
+        assert gate.wait(60)
+        return real(self, spec)
+
+    monkeypatch.setattr(constraints.Grammars, "_compile", held)
+    monkeypatch.setattr(engine_mod, "GRAMMAR_COMPILE_BUDGET_S", 0.0)
+    story = openai.OpenAI(base_url=story_live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    try:
+        with pytest.raises(openai.BadRequestError, match="took longer than 0 s to compile"):
+            story.completions.create(
+                model="story",
+                prompt="Once",
+                max_tokens=2,
+                extra_body={"structured_outputs": {"regex": "q+z"}},
+            )
+    finally:
+        gate.set()
+    assert story.completions.create(model="story", prompt="Once", max_tokens=2).usage.completion_tokens == 2
