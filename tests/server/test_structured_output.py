@@ -280,14 +280,14 @@ def test_n_choices_each_follow_the_schema(client):
 
 
 def test_repetitions_whose_cost_explodes_are_refused_at_once(client, server):
-    """Counted repetitions past the bound, in a schema's pattern, a regex, a tool's schema or a
-    grammar, nested or not: a 400 that names them, before anything is built; a plain request
-    beside them is served, and the same schema again is refused the same way."""
+    """Counted repetitions past the bound, in a schema's pattern, a regex or a grammar, nested or
+    not: a 400 that names them, before anything is built; a plain request beside them is served,
+    and the same schema again is refused the same way. (A tool's string patterns are left to the
+    client: they cost the grammar nothing.)"""
     import httpx
 
     schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]{100000}"}}}
     nested = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(([a-z]{64}){64}){2}"}}}
-    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
     cases = [
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
@@ -299,7 +299,6 @@ def test_repetitions_whose_cost_explodes_are_refused_at_once(client, server):
         ),
         ({"extra_body": {"structured_outputs": {"regex": "(ab|c){0,5000}"}}}, "{0,5000}"),
         ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "a"{300}'}}}, "{300}"),
-        ({"tools": [tool], "tool_choice": "required"}, "{100000}"),
     ]
     for extra, why in cases * 2:
         with pytest.raises(openai.BadRequestError, match="past") as e:
