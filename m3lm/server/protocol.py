@@ -282,6 +282,14 @@ class TextPart(BaseModel):
     text: str
 
 
+def check_text_parts(parts: Any, text_types: tuple[str, ...]) -> None:
+    """Name a content part this model cannot read (an image, audio, a file) rather than its shape."""
+    for part in parts if isinstance(parts, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in text_types:
+            raise ValueError(f"{kind} parts are not supported: this model reads text")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -296,12 +304,7 @@ class ChatMessage(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _text_parts_only(cls, data: Any) -> Any:
-        """Name a part this model cannot read (an image, audio, a file) rather than its shape."""
-        parts = data.get("content") if isinstance(data, dict) else None
-        for part in parts if isinstance(parts, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                raise ValueError(f"{kind} parts are not supported: this model reads text")
+        check_text_parts(data.get("content") if isinstance(data, dict) else None, ("text",))
         return data
 
     def for_template(self) -> dict[str, Any]:

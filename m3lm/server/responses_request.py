@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
-from m3lm.server.protocol import ChatCompletionRequest, _Body
+from m3lm.server.protocol import ChatCompletionRequest, _Body, check_text_parts
 
 log = logging.getLogger("m3lm.server")
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's limits
@@ -161,11 +161,7 @@ class ResponsesRequest(_Body):
                 raise ValueError(
                     f"input items of type {kind!r} are not supported (only {', '.join(_ITEM_TYPES)})"
                 )
-            parts = item.get("content") if isinstance(item, dict) and kind == "message" else None
-            for part in parts if isinstance(parts, list) else ():
-                kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind not in _TEXT_PARTS:
-                    raise ValueError(f"{kind} parts are not supported: this model reads text")
+            check_text_parts(item.get("content") if kind == "message" else None, _TEXT_PARTS)
         return data
 
     def check_supported(self) -> None:

@@ -6,9 +6,9 @@ agents' own loops, tool runs and protocol stay real. They are installed with npm
 folder; without npm or the registry the tests skip with the reason. They take minutes (long
 prompts prefilled on the CPU), so they run when M3LM_AGENT_TESTS=1.
 
-Claude Code's tool turn is not here yet: its tools alone are ~30k tokens in the story
-tokenizer's 4,096 ids, and with the call's output its second request did not finish in 10
-minutes on two cores."""
+Claude Code's tool turn is not here yet: with the call's output its request went past a 32k
+context in the story tokenizer's 4,096 ids, and at 64k it did not finish in 10 minutes on two
+cores."""
 
 import json
 import os
