@@ -104,10 +104,10 @@ def _check_sampling(args: argparse.Namespace) -> None:
 
 
 def _stream(
-    model, tokenizer, args: argparse.Namespace, engine=None, interrupt: bool = False, **prompt
+    model, tokenizer, args: argparse.Namespace, engine=None, interrupt: bool = False, lead: str = "", **prompt
 ) -> str:
-    """Stream one reply: the answer to stdout, reasoning (if the model reasons) to stderr apart
-    from it, stats to stderr. Ctrl-C stops the reply after the current step (the request is
+    """Stream one reply: the answer to stdout (after `lead`, written with the first token),
+    reasoning (if the model reasons) to stderr apart from it, stats to stderr. Ctrl-C stops the reply after the current step (the request is
     aborted; the engine stays usable), and then, with `interrupt`, raises KeyboardInterrupt
     once the stats are out. Returns the answer's text."""
     import signal
@@ -126,13 +126,6 @@ def _stream(
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
-    compiled_before = engine is not None and getattr(engine.runner.graphs, "compile_s", 0.0)
-    if (
-        getattr(args, "cpu_compile", False)
-        and not compiled_before
-        and model.lm_head.weight.device.type == "cpu"
-    ):
-        print("m3lm: --compile: the first decode step compiles it first (tens of seconds)", file=sys.stderr)
     start, first, n_prompt, n_gen, cached, accept = time.perf_counter(), None, 0, 0, 0, None
     compile_s = compiled = None  # the engine's compile seconds at the first chunk, and since
     chunks = stream_generate(
@@ -148,6 +141,9 @@ def _stream(
     try:
         for chunk in chunks:
             first = first or time.perf_counter()
+            if lead:
+                sys.stdout.write(lead)
+                lead = ""
             printer.add(chunk.token_ids, chunk.text)
             n_prompt, n_gen, cached = chunk.prompt_tokens, chunk.generation_tokens, chunk.cached_tokens
             accept = chunk.acceptance_length
@@ -227,8 +223,13 @@ class ReplyPrinter:
             sys.stdout.flush()
 
     def end(self) -> None:
-        if self.thinking:
+        if self.thinking:  # stdout stays empty: say why
             sys.stderr.write("\n")
+            print(
+                "m3lm: the reply ended in its reasoning, before an answer (raise --max-tokens, or "
+                "--thinking-mode disabled)",
+                file=sys.stderr,
+            )
         sys.stdout.write("\n")
         sys.stdout.flush()
 
@@ -273,8 +274,8 @@ def _generate(model, tokenizer, args: argparse.Namespace) -> None:
         kwargs = _template_kwargs(args)
         _stream(model, tokenizer, args, interrupt=True, messages=messages, chat_template_kwargs=kwargs)
     else:
-        sys.stdout.write(args.prompt)  # a text completion continues the prompt: print the whole text
-        _stream(model, tokenizer, args, interrupt=True, prompt=args.prompt)
+        # A text completion continues the prompt: the whole text is printed, once the prompt is taken.
+        _stream(model, tokenizer, args, interrupt=True, lead=args.prompt, prompt=args.prompt)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -418,7 +419,8 @@ def _pool(args: argparse.Namespace) -> dict:
     """The KV pool's EngineConfig fields given on the command line, and `cpu_compile` when set."""
     keys = ("gpu_memory_utilization", "kv_cache_memory", "kv_cache_tokens")
     fields = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
-    return fields | ({"cpu_compile": True} if getattr(args, "cpu_compile", False) else {})
+    mode = getattr(args, "cpu_compile", None)
+    return fields | ({"cpu_compile": mode} if mode is not None else {})
 
 
 def _default_model(args: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -539,8 +540,11 @@ class EngineConfig:
     of whole pages (`BlockManager.match`); pages of finished requests stay cached until their
     room is needed. `warmup`: whether a serving engine runs `engine.warmup.warm_up` before its first
     request (every kernel variant a step can need compiled, every decode graph captured).
-    `cpu_compile`: on the CPU a decode step runs as one compiled program instead of op by op
-    (`engine.cpu_compile`); the warm-up compiles it (seconds with torch's cache, more without).
+    `cpu_compile`: on the CPU a decode step runs as one compiled program kept on disk instead of
+    op by op (`engine.cpu_compile`). "auto" (the default, or $M3LM_CPU_COMPILE): a program on
+    disk is used at once, a missing one is built in the background while steps run op by op;
+    "wait": the warm-up waits for missing ones; "off": op by op. True and False mean "wait"
+    and "off".
     """
 
     max_num_seqs: int = 64
@@ -551,7 +555,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     msa_dense_window: float | None = None
     cuda_graphs: bool = True  # decode steps on a GPU replay captured graphs
-    cpu_compile: bool = False  # decode steps on the CPU run compiled (`engine.cpu_compile`)
+    cpu_compile: str | bool | None = None  # "auto", "wait" or "off" (`engine.cpu_compile`)
     index_cache_fp8: bool = False
     prefix_caching: bool = True  # a prompt starts on the cached pages of its longest known prefix
     warmup: bool = True  # compile kernels and capture graphs before serving
@@ -574,3 +578,18 @@ class EngineConfig:
         if self.msa_dense_window is not None and not self.msa_dense_window > 0:
             raise ConfigError(f"msa_dense_window = {self.msa_dense_window!r} must be > 0")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "cpu_compile", _cpu_compile_mode(self.cpu_compile))
+
+
+CPU_COMPILE_MODES = ("auto", "wait", "off")
+
+
+def _cpu_compile_mode(value: str | bool | None) -> str:
+    """`EngineConfig.cpu_compile` as one of CPU_COMPILE_MODES (None: $M3LM_CPU_COMPILE or "auto")."""
+    if value is None:
+        value = os.environ.get("M3LM_CPU_COMPILE") or "auto"
+    if isinstance(value, bool):
+        return "wait" if value else "off"
+    if value not in CPU_COMPILE_MODES:
+        raise ConfigError(f"cpu_compile = {value!r} must be one of {', '.join(CPU_COMPILE_MODES)}")
+    return value

@@ -1,5 +1,7 @@
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -19,6 +21,13 @@ except ImportError:
     pass
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+# Engines made by the tests decode op by op unless a test asks for compiled CPU programs (a build
+# for each engine's shape would run beside every test); programs built are kept for the session
+# only. Set before any test starts a server, whose processes inherit them.
+os.environ.setdefault("M3LM_CPU_COMPILE", "off")
+_CACHE = None if "M3LM_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="m3lm-test-cache-")
+os.environ.setdefault("M3LM_CACHE_DIR", _CACHE or "")
 
 
 @pytest.fixture(scope="session")
@@ -81,3 +90,5 @@ def pytest_pyfunc_call(pyfuncitem):
 
 def pytest_sessionfinish(session):
     interpreter_run.stop()
+    if _CACHE is not None:
+        shutil.rmtree(_CACHE, ignore_errors=True)

@@ -18,7 +18,7 @@ the best rounds; every run's tokens are checked identical between the engines.
 transformers runs `MiniMaxM3VLForCausalLM` (its default attention and experts implementations)
 with the checkpoint's weights, renamed and stacked here; `generate` with a streamer that stamps
 each step. m3lm runs `LLMEngine.step` on token ids with its compiled CPU decode step
-(`EngineConfig.cpu_compile`, what `--compile` turns on), compiled before the timed runs (the
+(`EngineConfig.cpu_compile`: the default, programs kept on disk), built or loaded before the timed runs (the
 seconds it took are reported); prefill runs op by op either way.
 
 `--baseline DIR` adds `decode1` at one thread for this build against the m3lm source tree DIR
@@ -73,8 +73,8 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 class M3lm:
-    """m3lm's engine with the CPU's compiled decode step (`--compile`) where the tree has it: one
-    engine per batch shape and thread count, its graphs compiled in the warm-up run."""
+    """m3lm's engine with the CPU's compiled decode step where the tree has it: one engine per
+    batch shape and thread count, its programs built (or loaded from disk) before the timed runs."""
 
     name = "m3lm"
 
@@ -354,7 +354,7 @@ def main() -> None:
         f"transformers {version('transformers')}; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}",
         f"m3lm at {commit(REPO)}; transformers' attention {hf_set['attention']}, experts {hf_set['experts']}",
         f"Load time in this process: m3lm {load_m3lm:.2f} s, transformers (build + state dict) {load_hf:.2f} s",
-        "m3lm's decode graphs compiled before the timed runs in "
+        "m3lm's compiled decode steps built or loaded before the timed runs in "
         + ", ".join(
             f"{s:.0f} s ({k[0]} x {k[1]}, {k[3]} thread{'s' * (k[3] > 1)})" for k, s in mine.compile_s.items()
         ),

@@ -69,6 +69,23 @@ class EngineInfo:
         )
 
 
+# Models past this size are not compiled for the CPU: the build makes a model of the same shape.
+COMPILE_MAX_BYTES = 4 << 30
+
+
+def compilable(model: MiniMaxM3, config: EngineConfig) -> bool:
+    """Whether the CPU's compiled decode step (`engine.cpu_compile`) can run this model: one
+    rank, exact MSA, plain (not 8-bit) weights, and small enough to build beside it."""
+    from m3lm.layers.linear import MXFP8Linear
+
+    return (
+        model.parallel.world == 1
+        and config.msa_dense_window is None
+        and not any(isinstance(m, MXFP8Linear) for m in model.modules())
+        and sum(weight_bytes(model).values()) <= COMPILE_MAX_BYTES
+    )
+
+
 def eos_ids_of(tokenizer, generation_config: dict | None, extra=()) -> frozenset[int]:
     ids = set(getattr(tokenizer, "eos_token_ids", ()) or ()) | set(extra)
     eos = (generation_config or {}).get("eos_token_id")
@@ -129,15 +146,10 @@ class LLMEngine:
 
             capture = head.args.layer_ids if head is not None else ()
             graphs = DecodeGraphs(model, self.cache, graph_rows, max_pages, num_pages, capture)
-        elif (
-            config.cpu_compile
-            and self.device.type == "cpu"
-            and parallel.world == 1
-            and config.msa_dense_window is None
-        ):
+        elif config.cpu_compile != "off" and self.device.type == "cpu" and compilable(model, config):
             from m3lm.engine.cpu_compile import CompiledDecode
 
-            graphs = CompiledDecode(model, self.cache, decode_rows, num_pages, max_pages)
+            graphs = CompiledDecode(model, self.cache, decode_rows, num_pages, max_pages, config.cpu_compile)
         self.runner = ModelRunner(model, self.cache, config.msa_dense_window, graphs, max_pages)
         self.speculator = self._speculator(head, num_pages + 1, max_pages if use_graphs else 0)
         self.sampler = Sampler()

@@ -103,6 +103,7 @@ def test_generate_shows_reasoning_apart_from_the_answer():
         assert r.returncode == 0, r.stderr
         if mode == "enabled":
             assert r.stdout == "\n" and f"thinking:\n{want}\n" in r.stderr
+            assert "m3lm: the reply ended in its reasoning, before an answer" in r.stderr  # why none
         else:
             assert r.stdout == want + "\n" and "thinking:" not in r.stderr
 
@@ -117,7 +118,7 @@ def test_the_reply_printer_puts_reasoning_and_answer_apart(capsys):
     printer.end()
     out, err = capsys.readouterr()
     assert out == "A cat purrs.\n" and printer.answer() == "A cat purrs."
-    assert err == "thinking:\nLet me think.\nanswer:\n"
+    assert err == "thinking:\nLet me think.\nanswer:\n"  # no word of a missing answer
 
 
 def test_chat_commands_are_never_sent_to_the_model():
