@@ -455,9 +455,31 @@ def build_parser() -> argparse.ArgumentParser:
     return cli_parser.build_parser(commands)
 
 
+def _refuse_unknown_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """A mistyped flag is refused under its command's usage, with the flag it likely meant,
+    before argparse would complain of something else (a required flag it took for missing)."""
+    import difflib
+
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    at = next((i for i, tok in enumerate(argv) if not tok.startswith("-")), None)
+    if at is None or argv[at] not in commands:
+        return
+    sub = commands[argv[at]]
+    known = list(sub._option_string_actions)
+    for tok in argv[at + 1 :]:
+        if tok == "--":
+            return
+        flag = tok.split("=", 1)[0]
+        if flag.startswith("--") and not any(k.startswith(flag) for k in known):
+            close = difflib.get_close_matches(flag, known, n=1)
+            sub.error(f"unrecognized argument: {flag}" + (f" (did you mean {close[0]}?)" if close else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_waits()  # before anything imports torch
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    _refuse_unknown_flags(parser, argv)
     args = parser.parse_args(argv)
     if args.version:
         print(f"m3lm {version()}")

@@ -378,6 +378,36 @@ def test_threads_flag_is_documented(command, capsys):
         main([command, "--threads", "0"])
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["generate", "--promt", "x"],
+            "m3lm generate: error: unrecognized argument: --promt (did you mean --prompt?)",
+        ),
+        (
+            ["serve", "--port=8000", "--api-keys", "k"],
+            "m3lm serve: error: unrecognized argument: --api-keys (did you mean --api-key?)",
+        ),
+        (["--verbose", "chat", "--xyzzy"], "m3lm chat: error: unrecognized argument: --xyzzy"),
+    ],
+)
+def test_a_mistyped_flag_is_refused_under_its_command(argv, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.rstrip().splitlines()[-1] == said
+    assert err.startswith(f"usage: m3lm {argv[-2] if argv[0] == '--verbose' else argv[0]} ")
+
+
+def test_flags_abbreviated_or_after_a_double_dash_are_left_to_argparse():
+    from m3lm.cli import _refuse_unknown_flags, build_parser
+
+    parser = build_parser()
+    _refuse_unknown_flags(parser, ["generate", "--prom", "x", "--max-tok=3", "--", "--whatever"])  # no exit
+    assert parser.parse_args(["generate", "--prom", "x", "--max-tok=3"]).prompt == "x"
+
+
 @pytest.mark.parametrize(("flag", "want"), [([], 1), (["--threads", "2"], 2)])
 def test_generate_sets_torch_threads_in_its_process(flag, want, monkeypatch, capsys):
     """The embedded model is small: one thread unless --threads says otherwise."""
