@@ -277,6 +277,7 @@ def server_config(app, limits: Limits, grace_s: float, **kwargs) -> uvicorn.Conf
         # refuses more itself with a 431); RequestLimits answers a 431 past the bound
         h11_max_incomplete_event_size=limits.max_header_bytes + (8 << 10),
         ws="none",  # no WebSocket route: an upgrade request is an HTTP request like the rest
+        log_config=None,  # uvicorn's lines in the server's own format (its loggers reach the root's)
         **kwargs,
     )
 
@@ -420,8 +421,14 @@ def _serve(
         with stop_on_signals():  # until uvicorn handles the signals, they stop the start-up at once
             engine.start()
         app = create_server_app(engine, tokenizer, name, api_key, limits, salt_by_key, web_ui)
-        log.info("%s; warm-up %.1f s", engine.info.summary, engine.info.warmup_s)
-        log.info("serving %s on %s%s", name, url, " (chat page at /)" if web_ui else "")
+        # (the engine process has logged its summary; this process adds what it knows)
+        log.info(
+            "serving %s on %s%s; warm-up %.1f s",
+            name,
+            url,
+            " (chat page at /)" if web_ui else "",
+            engine.info.warmup_s,
+        )
         # Streams still open when the drain ends get their error event; the rest of the grace is for that.
         config = server_config(app, limits, grace_s=5.0, host=host, port=port, log_level="info")
         server = draining_server(config, app, grace_s)
