@@ -129,6 +129,15 @@ class CompiledDecode:
         return landed
 
     def _build(self, buckets: list[int]) -> None:
+        self.pending.update(buckets)
+        others = [b for b in buckets if building(self.path(b))]  # under way in another process
+        buckets = [b for b in buckets if b not in others]
+        if others:
+            log.info(
+                "the compiled CPU decode step for %s is being built by another process", _batch(others[0])
+            )
+        if not buckets:
+            return
         root = self.path(buckets[0]).parent
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -147,7 +156,6 @@ class CompiledDecode:
             return
         _builders.append(proc)
         self.builder = proc.pid
-        self.pending.update(buckets)
         # A warning, so that a command line shows it: the first run of a model shape is slower.
         log.warning(
             "m3lm: compiling the CPU decode step for this model shape (about a minute, once; pid %d, "
