@@ -21,7 +21,8 @@ The mapping:
   function, with the same enforcement (`parsers.plan_tool_choice`); `disable_parallel_tool_use`
   is `parallel_tool_calls: false`;
 - `output_config.format` (a JSON schema) is chat's `response_format`, with the same support;
-  `output_config.effort` is accepted and ignored;
+  `output_config.effort` (`low` / `medium` / `high` / `max`) is a thinking mode and a reasoning
+  budget (`effort.EFFORTS`: 512 / 2048 / 8192 tokens / unbounded) where `thinking` sets neither;
 - `stop_sequences` are stop strings on the answer; `metadata`, `service_tier` and other fields
   are accepted and ignored (logged once); a final assistant message (prefill) is refused.
 
@@ -46,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from m3lm.engine.async_engine import RequestStream
 from m3lm.server.choice import Choice
+from m3lm.server.effort import apply_effort
 from m3lm.server.handlers import (
     ApiError,
     ServerState,
@@ -149,7 +151,7 @@ class ThinkingConfig(_Block):
 
 
 class OutputConfig(_Block):
-    effort: str | None = None
+    effort: Literal["low", "medium", "high", "max"] | None = None  # `effort.EFFORTS`
     format: dict[str, Any] | None = None
 
 
@@ -321,6 +323,7 @@ def chat_request(req: CountTokensRequest, signer: ThinkingSigner) -> ChatComplet
             if budget < 1 or budget >= req.max_tokens:
                 raise ValueError("`max_tokens` must be greater than `thinking.budget_tokens`")
             body["thinking_token_budget"] = budget
+    apply_effort(body, req.output_config.effort if req.output_config else None)  # after `thinking`: it wins
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from m3lm.core import SamplingParams
+from m3lm.server.effort import EFFORTS, Effort, apply_effort
 
 log = logging.getLogger("m3lm.server")
 _warned_fields: set[str] = set()  # unknown names already logged, at most _MAX_WARNED of them
@@ -344,6 +345,14 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's field: reasoning tokens after which the closer is forced
     thinking_token_budget: int | None = Field(None, ge=0)
+    reasoning_effort: Effort | None = None  # a thinking mode and budget (`effort.EFFORTS`)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _effort(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("reasoning_effort") in EFFORTS:
+            return apply_effort(dict(data), data["reasoning_effort"])
+        return data
 
     def check_limits(self, limits: Limits) -> None:
         super().check_limits(limits)

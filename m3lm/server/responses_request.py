@@ -6,8 +6,9 @@ The mapping:
   newlines); `function_call` items are the assistant's tool calls and `function_call_output`
   items tool messages; `reasoning` items sent back are the turn's reasoning (their
   `reasoning_text` content, else their summary text);
-- `reasoning.effort` picks the template's `thinking_mode`: `none` and `minimal` disabled, `low`
-  adaptive, `medium` and above enabled; without it the template's default (adaptive) holds;
+- `reasoning.effort` is a thinking mode and a reasoning budget (`effort.EFFORTS`: `none` and
+  `minimal` no reasoning, `low` / `medium` / `high` 512 / 2048 / 8192 tokens, `xhigh` and `max`
+  unbounded); without it the template's default (adaptive) holds;
 - function `tools`, `tool_choice` (`auto`, `none`, `required`, a named function) and
   `parallel_tool_calls` as in chat, with the same enforcement; a `namespace` tool's functions
   (Codex's MCP servers) join them as `NAMESPACE__NAME`, and their calls come back with
@@ -33,19 +34,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
+from m3lm.server.effort import Effort, apply_effort
 from m3lm.server.protocol import ChatCompletionRequest, _Body, check_text_parts
 
 log = logging.getLogger("m3lm.server")
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's limits
-_EFFORT_MODES = {
-    "none": "disabled",
-    "minimal": "disabled",
-    "low": "adaptive",
-    "medium": "enabled",
-    "high": "enabled",
-    "xhigh": "enabled",
-    "max": "enabled",
-}
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 # Tools the client declares but the server (or the client, in a form this model cannot call) would
@@ -110,7 +103,7 @@ class FunctionTool(_Item):
 
 
 class ReasoningConfig(_Item):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    effort: Effort | None = None
     summary: str | None = None
 
 
@@ -316,8 +309,7 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRe
         "stream": req.stream,
         "response_format": _response_format(req.text.format if req.text else None),
     }
-    if req.reasoning is not None and req.reasoning.effort is not None:
-        body["chat_template_kwargs"] = {"thinking_mode": _EFFORT_MODES[req.reasoning.effort]}
+    apply_effort(body, req.reasoning.effort if req.reasoning is not None else None)
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
