@@ -101,25 +101,25 @@ def build_app(
             why = (first.get("ctx") or {}).get("error")
             at = first.get("loc", ())[-1:]
             where = f" ({why} at character {at[0]})" if why and at else ""
-            return JSONResponse(error_of(f"the request body is not valid JSON{where}", code=400), 400)
+            return JSONResponse(error_of(f"the request body is not valid JSON{where}", status=400), 400)
         if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
             # no body, or one that is not an object (or not sent as JSON)
             msg = "the request body must be a JSON object (sent with Content-Type: application/json)"
-            return JSONResponse(error_of(msg, code=400), 400)
+            return JSONResponse(error_of(msg, status=400), 400)
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
-        return JSONResponse(error_of(msg, param=loc or None, code=400), 400)
+        return JSONResponse(error_of(msg, param=loc or None, status=400), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        body = error_body_for(request.scope["path"], str(e.detail), kind, code=e.status_code)
+        body = error_body_for(request.scope["path"], str(e.detail), kind, status=e.status_code)
         return JSONResponse(body, e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception):
         log.exception("internal error")
         message = f"internal error: {type(e).__name__}"
-        return JSONResponse(error_body_for(request.scope["path"], message, "internal_error", code=500), 500)
+        return JSONResponse(error_body_for(request.scope["path"], message, "internal_error", status=500), 500)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:

@@ -33,7 +33,7 @@ async def send_error(
     send, status: int, message: str, type_: str = "invalid_request_error", extra_headers=(), path: str = ""
 ) -> None:
     """An error response before the app answers, in the shape of the API `path` belongs to."""
-    body = json.dumps(error_body_for(path, message, type_, code=status)).encode()
+    body = json.dumps(error_body_for(path, message, type_, status=status)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += extra_headers
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -304,7 +304,7 @@ def guarded_h11(limits: Limits) -> type[H11Protocol]:
                 text = "request headers too large"
             else:
                 status, text = 400, f"malformed HTTP request: {msg}"
-            body = json.dumps(error_body(text, code=status)).encode()
+            body = json.dumps(error_body(text, status=status)).encode()
             headers = [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),

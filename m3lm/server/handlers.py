@@ -55,7 +55,7 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.headers = status, message, type_, headers or {}
 
     def response(self, path: str = "") -> JSONResponse:
-        body = error_body_for(path, self.message, self.type, code=self.status)
+        body = error_body_for(path, self.message, self.type, status=self.status)
         return JSONResponse(body, self.status, headers=self.headers)
 
 
@@ -437,14 +437,14 @@ async def openai_sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for data in events:
             yield data
     except ApiError as e:
-        yield sse(error_body(e.message, e.type, code=e.status))
+        yield sse(error_body(e.message, e.type, status=e.status))
     except EngineDead as e:
-        yield sse(error_body(f"the engine stopped: {e}", "internal_error", code=500))
+        yield sse(error_body(f"the engine stopped: {e}", "internal_error", status=500))
     except Interrupted as e:
-        yield sse(error_body(str(e), "service_unavailable", code=503))
+        yield sse(error_body(str(e), "service_unavailable", status=503))
     except Exception as e:  # a fault of ours: the client still gets an error event and the end
         log.exception("a stream failed")
-        yield sse(error_body(f"internal error: {type(e).__name__}", "internal_error", code=500))
+        yield sse(error_body(f"internal error: {type(e).__name__}", "internal_error", status=500))
     finally:
         await events.aclose()
     yield b"data: [DONE]\n\n"

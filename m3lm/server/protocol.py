@@ -125,9 +125,23 @@ def body_bound(limits: Limits, max_prompt_tokens: int, max_token_chars: int | No
     return min(limits.max_body_bytes, limits.max_n * max_prompt_tokens * per_token + BODY_SLACK)
 
 
+# OpenAI's `code` is a string or null (its clients type it so); the HTTP status is the response's
+_OPENAI_CODES = {
+    401: "invalid_api_key",
+    404: "not_found",
+    408: "timeout",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
 def error_body(
-    message: str, type_: str = "invalid_request_error", param: str | None = None, code: int | None = None
+    message: str, type_: str = "invalid_request_error", param: str | None = None, status: int | None = None
 ) -> dict:
+    """OpenAI's error object; `status` (the HTTP status) picks its `code`."""
+    code = _OPENAI_CODES.get(status) if status is not None else None
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -148,19 +162,19 @@ def error_body_for(
     message: str,
     type_: str = "invalid_request_error",
     param: str | None = None,
-    code: int | None = None,
+    status: int | None = None,
 ) -> dict:
     """The error object of the API `path` belongs to: Anthropic's under /v1/messages, else OpenAI's."""
     if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
-        return anthropic_error_body(message, type_, code)
-    return error_body(message, type_, param, code)
+        return anthropic_error_body(message, type_, status)
+    return error_body(message, type_, param, status)
 
 
 class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int | None = None
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):

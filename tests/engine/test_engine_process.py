@@ -192,7 +192,9 @@ def test_a_stopped_engine_is_noticed_and_its_recovery_restores_service(checkpoin
                 assert "has not answered" in whole.json()["error"]["message"]
                 events = [line for line in lines if line.startswith("data: ")]
                 assert events[-1] == "data: [DONE]"
-                assert "has not answered" in events[-2] and '"code":503' in events[-2], events[-2:]
+                assert "has not answered" in events[-2] and '"code":"service_unavailable"' in events[-2], (
+                    events[-2:]
+                )
                 health = c.get("/health")
                 assert health.status_code == 503 and "has not answered" in health.json()["error"]
                 late = c.post("/v1/completions", json=long)
@@ -274,7 +276,7 @@ def test_a_second_sigterm_ends_open_requests_with_their_errors(checkpoint):
         events, whole = asyncio.run(requests())
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2].removeprefix("data: "))["error"]
-        assert error["code"] == 503 and "shutting down" in error["message"]
+        assert error["code"] == "service_unavailable" and "shutting down" in error["message"]
         assert whole.status_code == 503 and "shutting down" in whole.json()["error"]["message"]
         assert proc.wait(timeout=30) == 0
         out = stop(proc)

@@ -120,8 +120,9 @@ def test_models_retrieve_and_tokenizer_info(served, client):
     server, _, tok = served
     card = client.models.retrieve(NAME)
     assert card.id == NAME and card.model_extra["max_model_len"] == 256
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4")
+    assert e.value.code == "not_found"  # OpenAI's clients type `code` as a string or null
     headers = {"Authorization": f"Bearer {API_KEY}"}
     info = httpx.get(server.url + "/tokenizer_info", headers=headers).json()
     assert info["eos_token"] == tok.hf.eos_token and info["model_max_length"] == 256

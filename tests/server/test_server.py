@@ -120,7 +120,7 @@ def test_raw_protocol_errors(live):
         == 400
     )
     big = httpx.post(live.url + "/v1/completions", content=b"x" * (9 << 20), headers=auth)
-    assert big.status_code == 413 and big.json()["error"]["code"] == 413
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     assert httpx.get(live.url + "/nope", headers=auth).json()["error"]["type"] == "not_found_error"
     r = httpx.post(live.url + "/v1/completions", json={"model": "other", "prompt": "x"}, headers=auth)
     assert r.status_code == 404

@@ -346,7 +346,10 @@ def test_sigterm_drains_then_ends_open_streams_with_an_error(served_checkpoint):
             assert late.status_code == 503
             events = sse(lines)
         assert events[-1] == "[DONE]"
-        assert events[-2]["error"]["code"] == 503 and "shutting down" in events[-2]["error"]["message"]
+        assert (
+            events[-2]["error"]["code"] == "service_unavailable"
+            and "shutting down" in events[-2]["error"]["message"]
+        )
         server.thread.join(10)
         assert not server.thread.is_alive()
         wait_idle(server.engine)

@@ -483,7 +483,7 @@ def test_a_huge_token_id_prompt_is_a_413(live, client, chunked):
         headers={**AUTH, "Content-Type": "application/json"},
         timeout=30,
     )
-    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     still_serves(live, client)
 
 
