@@ -315,7 +315,6 @@ def m3_tool_calls(
     from xgrammar.structural_tag import (
         ConstStringFormat,
         GrammarFormat,
-        JSONSchemaFormat,
         OrFormat,
         PlusFormat,
         SequenceFormat,
@@ -340,12 +339,11 @@ def m3_tool_calls(
             )
         schema = fn.get("parameters") or {"type": "object", "properties": {}}
         _check_element_names(name, schema)
-        args = JSONSchemaFormat(json_schema=xml_schema(schema), style="minimax_m3_xml", max_whitespace_cnt=1)
         return SequenceFormat(
             elements=[
                 ns,
                 ConstStringFormat(value=f'<invoke name="{name}">'),
-                args,
+                _arguments(schema, ns),
                 ns,
                 ConstStringFormat(value="</invoke>\n"),
             ]
@@ -378,11 +376,101 @@ def m3_tool_calls(
 STRING_LIMITS = ("minLength", "maxLength", "pattern", "format")
 
 
+def _arguments(schema: Mapping[str, Any], ns: Any) -> Any:
+    """A call's arguments in M3's XML: xgrammar's `minimax_m3_xml` grammar of the parameters, or,
+    where a parameter is a bounded string (the library's XML grammar cannot bound a string and
+    exclude the namespace marker at once), the same layout built here parameter by parameter
+    (in schema order, optional ones optional, one whitespace around each), the bounded ones as
+    `_bounded_string` and the others through the library's grammar."""
+    from xgrammar.structural_tag import (
+        ConstStringFormat,
+        JSONSchemaFormat,
+        OptionalFormat,
+        OrFormat,
+        RegexFormat,
+        SequenceFormat,
+    )
+
+    props = schema.get("properties")
+    props = props if isinstance(props, Mapping) else {}
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+
+    def library(sub: Any) -> Any:
+        sub = xml_schema(sub)
+        return JSONSchemaFormat(
+            json_schema={**sub, **defs} if isinstance(sub, Mapping) else sub,
+            style="minimax_m3_xml",
+            max_whitespace_cnt=1,
+        )
+
+    def value(sub: Any) -> Any:
+        if _bounded(sub):
+            return _bounded_string(sub)
+        branches = sub.get("anyOf") or sub.get("oneOf") if isinstance(sub, Mapping) else None
+        if isinstance(branches, list) and any(_bounded(b) for b in branches):
+            return OrFormat(elements=[value(b) for b in branches])  # e.g. a bounded string or null
+        return library(sub)
+
+    if not any(_bounded(s) or _bounded_branch(s) for s in props.values()):
+        return library(schema)
+    ws = OptionalFormat(content=RegexFormat(pattern=r"[ \n\r\t]"))
+    required = set(schema.get("required") or ())
+    elements: list[Any] = []
+    for name, sub in props.items():
+        param = SequenceFormat(
+            elements=[
+                ws,
+                ns,
+                ConstStringFormat(value=f"<{name}>"),
+                value(sub),
+                ns,
+                ConstStringFormat(value=f"</{name}>"),
+            ]
+        )
+        elements.append(param if name in required else OptionalFormat(content=param))
+    return SequenceFormat(elements=[*elements, ws])
+
+
+def _bounded(schema: Any) -> bool:
+    """A string schema with a length or a pattern (a `format` alone is an annotation)."""
+    return (
+        isinstance(schema, Mapping)
+        and schema.get("type", "string") == "string"
+        and "enum" not in schema
+        and "const" not in schema
+        and (bool(schema.get("minLength")) or "maxLength" in schema or "pattern" in schema)
+    )
+
+
+def _bounded_branch(schema: Any) -> bool:
+    branches = schema.get("anyOf") or schema.get("oneOf") if isinstance(schema, Mapping) else None
+    return isinstance(branches, list) and any(_bounded(b) for b in branches)
+
+
+def _bounded_string(schema: Mapping[str, Any]) -> Any:
+    """A bounded string parameter's text: its `pattern` as written, else any text without the
+    namespace marker within `minLength`..`maxLength` characters (the first `minLength` of them,
+    at most `MAX_REPEAT`, also not `<`, so that no marker starts there)."""
+    from xgrammar.structural_tag import AnyTextFormat, ConstStringFormat, RegexFormat, SequenceFormat
+
+    if isinstance(pattern := schema.get("pattern"), str):
+        return RegexFormat(pattern=pattern)
+    low, high = min(int(schema.get("minLength") or 0), MAX_REPEAT), schema.get("maxLength")
+    rest = None if high is None else min(max(int(high) - low, 0), 2**31 - 1)
+    parts = [RegexFormat(pattern=f"[^<]{{{low}}}")] if low else []
+    if rest != 0:
+        parts.append(AnyTextFormat(excludes=[NAMESPACE], max_chars=rest))
+    if len(parts) == 1:
+        return parts[0]
+    return SequenceFormat(elements=parts) if parts else ConstStringFormat(value="")
+
+
 def xml_schema(schema: Any, depth: int = 0) -> Any:
-    """A tool's parameter schema as M3's XML argument grammar can enforce it: without the string
-    limits (`STRING_LIMITS`) it cannot carry, which real tool schemas (MCP servers, coding tools)
-    hold. The call's structure, types, enums and numbers stay enforced; the client checks the
-    string limits it declared, as it does for any model's call."""
+    """A tool's parameter schema as the library's XML argument grammar can enforce it: without
+    the string limits (`STRING_LIMITS`) it cannot carry, which real tool schemas (MCP servers,
+    coding tools) hold. The call's structure, types, enums and numbers stay enforced; bounded
+    strings that are parameters themselves are enforced by `_arguments`, and the client checks
+    the limits of nested ones, as it does for any model's call."""
     if depth > 64 or not isinstance(schema, Mapping):
         return schema
     out = {k: v for k, v in schema.items() if k not in STRING_LIMITS}

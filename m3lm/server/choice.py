@@ -110,6 +110,7 @@ def usage(prompt_tokens: int, choices: list[Choice], per_prompt: int = 1) -> dic
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": sum(min(c.cached for c in g) for g in groups)},
+        "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)},
     }
 
 

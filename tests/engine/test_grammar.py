@@ -165,6 +165,48 @@ def walk(compiled, rng: random.Random, vocab: int, special_from: int, ns: int, l
     return out
 
 
+BOUNDED = {
+    "type": "function",
+    "function": {
+        "name": "file_issue",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string", "minLength": 2, "maxLength": 6},
+                "priority": {"type": "integer", "minimum": 1, "maximum": 3},
+                "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{1,3}$"},
+                "owner": {"anyOf": [{"type": "string", "maxLength": 4}, {"type": "null"}]},
+                "body": {"type": "string", "maxLength": 3, "format": "email"},
+                "labels": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["title", "priority", "code"],
+        },
+    },
+}
+
+
+def test_bounded_string_parameters_are_enforced_in_m3s_xml(story, fmt, ids):
+    """Lengths and patterns of a tool's parameters (LangChain's max_length, MCP servers' patterns)
+    hold on every path through the grammar: the parser reads calls that validate against the
+    whole schema, limits included (a `format` is an annotation). Paths through byte tokens that
+    do not make whole characters are left out: their text is not what the grammar counted."""
+    model, tok = story
+    compiled = engine_of(story).grammars.submit(m3_tool_calls([BOUNDED], "required", False, ids)).result()
+    schema = BOUNDED["function"]["parameters"]
+    rng, checked = random.Random(1), 0
+    for _ in range(60):
+        reply = walk(compiled, rng, model.args.vocab_size, min(tok.all_special_ids), ids.ns)[:-1]
+        pieces = [(t, tok.decode([t], skip_special_tokens=False)) for t in reply]
+        calls = parse_tool_calls(pieces, fmt.tools, [BOUNDED]).calls
+        assert len(calls) == 1 and calls[0].name == "file_issue"
+        args = json.loads(calls[0].arguments)
+        if any("\ufffd" in v for v in args.values() if isinstance(v, str)):
+            continue
+        jsonschema.validate(args, schema, format_checker=None)
+        checked += 1
+    assert checked >= 30
+
+
 @pytest.mark.parametrize("choice", ["required", "notify", "auto"])
 def test_m3_tool_grammar_makes_calls_our_parser_reads_and_xgrammar_builtin_tag_accepts(
     story, fmt, ids, choice

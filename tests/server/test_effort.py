@@ -33,7 +33,13 @@ def chat(client, **kw):
         model=NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX, temperature=0, **kw
     )
     msg = r.choices[0].message
-    return msg.model_extra.get("reasoning_content") or "", msg.content or "", r.usage.completion_tokens
+    thought = r.usage.completion_tokens_details.reasoning_tokens
+    return (
+        msg.model_extra.get("reasoning_content") or "",
+        msg.content or "",
+        r.usage.completion_tokens,
+        thought,
+    )
 
 
 def test_the_budgets_sit_inside_the_story_models_reach():
@@ -54,7 +60,8 @@ def test_chat_reasoning_effort_is_a_reasoning_budget(openai_client):
     none = chat(openai_client, reasoning_effort="none", extra_body={"ignore_eos": True})
     assert medium[0].startswith(low[0]) and len(medium[0]) > len(low[0])  # the same words, cut at 512 tokens
     assert low[1] and not medium[1]  # low answers after its budget; medium reasons to max_tokens
-    assert none[0] == "" and none[1]
+    assert low[3] == LOW + 1 and medium[3] == MAX  # reasoning tokens: the budget and its closer
+    assert none[0] == "" and none[1] and none[3] == 0
 
 
 @pytest.mark.parametrize("effort", ["low", "medium", "none"])
@@ -62,7 +69,7 @@ def test_responses_effort_is_chats(openai_client, effort):
     r = openai_client.responses.create(
         model=NAME, input=PROMPT, max_output_tokens=MAX, temperature=0, reasoning={"effort": effort}
     )
-    reasoning, answer, tokens = chat(openai_client, reasoning_effort=effort)
+    reasoning, answer, tokens, _ = chat(openai_client, reasoning_effort=effort)
     got = {o.type: o.content[0].text for o in r.output}
     assert (got.get("reasoning", ""), got.get("message", "")) == (reasoning, answer)
     assert r.usage.output_tokens == tokens and (effort == "none") == (not reasoning)
@@ -94,7 +101,7 @@ def test_anthropic_effort_is_the_same_budget_and_thinking_wins(openai_client, an
             blocks["text"].text if "text" in blocks else ""
         )
 
-    reasoning, answer, _ = chat(openai_client, reasoning_effort="low")
+    reasoning, answer, *_ = chat(openai_client, reasoning_effort="low")
     assert thinking_and_text(effort="low") == (reasoning, answer)
     # thinking's own budget is taken over the effort's
     own = thinking_and_text(thinking={"type": "enabled", "budget_tokens": 20}, effort="low")

@@ -527,6 +527,7 @@ def test_langchain_with_structured_output(server):
         city: Literal["paris", "rome", "oslo"]
         degrees: int = Field(ge=-30, le=45)
         sunny: bool
+        summary: str = Field(min_length=1, max_length=12)  # a bounded string, in both methods
 
     llm = ChatOpenAI(
         base_url=server + "/v1",
@@ -543,32 +544,28 @@ def test_langchain_with_structured_output(server):
         assert isinstance(out, Weather), (method, out)
 
 
-def test_tool_parameters_with_string_limits_are_called_not_refused(client):
-    """LangChain's max_length fields, MCP servers' patterns and formats: the call is forced with
-    its structure, the string limits left to the client (a 400 before)."""
-    note = {"type": "string", "maxLength": 8, "minLength": 1, "pattern": "^[a-z]+$", "format": "hostname"}
+def test_tool_parameters_with_string_limits_are_enforced_not_refused(client):
+    """LangChain's max_length fields, MCP servers' patterns and formats: the forced call keeps
+    every limit (a 400 before, then left to the client)."""
+    note = {"type": "string", "maxLength": 8, "minLength": 1, "format": "hostname"}
+    code = {"type": "string", "pattern": "^[a-z]{2,4}$"}
     host = {"type": "string", "enum": ["a.org", "b.org"], "maxLength": 8, "pattern": "^[a-z.]+$"}
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "lookup",
-            "parameters": {
-                "type": "object",
-                "properties": {"host": host, "note": note},
-                "required": ["host"],
-            },
-        },
+    schema = {
+        "type": "object",
+        "properties": {"host": host, "note": note, "code": code},
+        "required": ["host", "note"],
     }
-    r = client.chat.completions.create(
-        model=NAME, messages=MSG, tools=[tool], tool_choice="required", max_tokens=64, temperature=0,
-        parallel_tool_calls=False, extra_body={"chat_template_kwargs": {"thinking_mode": "disabled"}},
-    )  # fmt: skip
-    assert r.choices[0].finish_reason in ("tool_calls", "length")  # the story model may not end a note
-    for call in r.choices[0].message.tool_calls or []:
-        assert call.function.name == "lookup" and json.loads(call.function.arguments)["host"] in (
-            "a.org",
-            "b.org",
-        )
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": schema}}
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=NAME, messages=MSG, tools=[tool], tool_choice="required", max_tokens=200, temperature=1,
+            seed=seed, parallel_tool_calls=False,
+            extra_body={"chat_template_kwargs": {"thinking_mode": "disabled"}},
+        )  # fmt: skip
+        assert r.choices[0].finish_reason == "tool_calls"
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "lookup"
+        jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
 def test_a_compile_past_the_engines_budget_is_a_400_over_http(story_live, monkeypatch):
