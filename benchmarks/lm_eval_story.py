@@ -27,6 +27,7 @@ import m3lm
 from m3lm.bench.report import machine, write_section
 
 TASK_DIR = Path(__file__).resolve().parent / "lm_eval"
+KEY = "sk-lm-eval"  # the server is keyed, as a deployment is
 
 
 def reference(items: list[dict]) -> tuple[float, list[list[float]]]:
@@ -55,18 +56,19 @@ def main() -> None:
     a = ap.parse_args()
     items = [json.loads(line) for line in (TASK_DIR / "story_choice.jsonl").read_text().splitlines()]
     server = Server(
-        str(Path(m3lm.DEFAULT_MODEL)), None, ["--dtype", "float32", "--served-model-name", "story"]
+        str(Path(m3lm.DEFAULT_MODEL)), KEY, ["--dtype", "float32", "--served-model-name", "story"]
     )
     try:
         server.wait_healthy(time.monotonic() + 300)
         with tempfile.TemporaryDirectory() as tmp:
             argv = [
                 a.lm_eval, "--model", "local-completions", "--model_args",
-                f"model=story,base_url={server.url}/v1/completions,tokenized_requests=True",
+                # the key twice: OPENAI_API_KEY for completions, auth_token for /tokenize
+                f"model=story,base_url={server.url}/v1/completions,tokenized_requests=True,auth_token={KEY}",
                 "--tasks", "story_choice", "--include_path", str(TASK_DIR), "--batch_size", "1",
                 "--output_path", tmp, "--log_samples",
             ]  # fmt: skip
-            env = {**os.environ, "OPENAI_API_KEY": "EMPTY", "HF_DATASETS_OFFLINE": "1"}
+            env = {**os.environ, "OPENAI_API_KEY": KEY, "HF_DATASETS_OFFLINE": "1"}
             t = time.perf_counter()
             run = subprocess.run(argv, cwd=TASK_DIR, env=env, capture_output=True, text=True)
             took = time.perf_counter() - t
@@ -100,7 +102,7 @@ def main() -> None:
         lm_version = subprocess.run([py, "-c", ask], capture_output=True, text=True).stdout.strip()
         cmd = "python3 benchmarks/lm_eval_story.py --lm-eval PATH/TO/lm_eval " + (f"--out {a.out}")
         details = [
-            f"Server: `python -m m3lm serve --dtype float32` on the embedded model; task "
+            f"Server: `python -m m3lm serve --dtype float32 --api-key KEY` on the embedded model; task "
             f"`benchmarks/lm_eval/story_choice.yaml` (loglikelihood, 4 choices); lm-eval {lm_version or '?'}",
             f"Device: {machine()}",
         ]

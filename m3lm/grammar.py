@@ -378,57 +378,98 @@ STRING_LIMITS = ("minLength", "maxLength", "pattern", "format")
 
 def _arguments(schema: Mapping[str, Any], ns: Any) -> Any:
     """A call's arguments in M3's XML: xgrammar's `minimax_m3_xml` grammar of the parameters, or,
-    where a parameter is a bounded string (the library's XML grammar cannot bound a string and
-    exclude the namespace marker at once), the same layout built here parameter by parameter
-    (in schema order, optional ones optional, one whitespace around each), the bounded ones as
-    `_bounded_string` and the others through the library's grammar."""
+    where they hold a bounded string at any depth (the library's XML grammar cannot bound a
+    string and exclude the namespace marker at once), the same layout built here: an object's
+    properties in schema order, optional ones optional, an array's `item` elements, one
+    whitespace around each; bounded strings as `_bounded_string`, every part without one through
+    the library's grammar."""
     from xgrammar.structural_tag import (
         ConstStringFormat,
         JSONSchemaFormat,
         OptionalFormat,
         OrFormat,
         RegexFormat,
+        RepeatFormat,
         SequenceFormat,
     )
 
-    props = schema.get("properties")
-    props = props if isinstance(props, Mapping) else {}
-    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), Mapping)}
+    library_defs = xml_schema(defs)
+    ws = OptionalFormat(content=RegexFormat(pattern=r"[ \n\r\t]"))
 
     def library(sub: Any) -> Any:
         sub = xml_schema(sub)
         return JSONSchemaFormat(
-            json_schema={**sub, **defs} if isinstance(sub, Mapping) else sub,
+            json_schema={**sub, **library_defs} if isinstance(sub, Mapping) else sub,
             style="minimax_m3_xml",
             max_whitespace_cnt=1,
         )
 
-    def value(sub: Any) -> Any:
-        if _bounded(sub):
-            return _bounded_string(sub)
-        branches = sub.get("anyOf") or sub.get("oneOf") if isinstance(sub, Mapping) else None
-        if isinstance(branches, list) and any(_bounded(b) for b in branches):
-            return OrFormat(elements=[value(b) for b in branches])  # e.g. a bounded string or null
-        return library(sub)
-
-    if not any(_bounded(s) or _bounded_branch(s) for s in props.values()):
-        return library(schema)
-    ws = OptionalFormat(content=RegexFormat(pattern=r"[ \n\r\t]"))
-    required = set(schema.get("required") or ())
-    elements: list[Any] = []
-    for name, sub in props.items():
-        param = SequenceFormat(
+    def element(name: str, sub: Any, depth: int) -> Any:
+        inner = value(sub, depth + 1)
+        return SequenceFormat(
             elements=[
                 ws,
                 ns,
                 ConstStringFormat(value=f"<{name}>"),
-                value(sub),
+                inner,
                 ns,
                 ConstStringFormat(value=f"</{name}>"),
             ]
         )
-        elements.append(param if name in required else OptionalFormat(content=param))
-    return SequenceFormat(elements=[*elements, ws])
+
+    def value(sub: Any, depth: int) -> Any:
+        sub = _resolve(sub, defs)
+        if _bounded(sub):
+            return _bounded_string(sub)
+        if depth > _MAX_LAYOUT_DEPTH or not _holds_bounded(sub, defs):
+            return library(sub)
+        if isinstance(branches := sub.get("anyOf") or sub.get("oneOf"), list):
+            return OrFormat(elements=[value(b, depth + 1) for b in branches])  # e.g. a bounded string or null
+        if isinstance(props := sub.get("properties"), Mapping):
+            required = set(sub.get("required") or ())
+            parts = [element(n, p, depth) for n, p in props.items()]
+            parts = [
+                e if n in required else OptionalFormat(content=e) for n, e in zip(props, parts, strict=True)
+            ]
+            return SequenceFormat(elements=[*parts, ws])
+        if isinstance(items := sub.get("items"), Mapping):
+            low, high = int(sub.get("minItems") or 0), sub.get("maxItems")
+            count = RepeatFormat(
+                min=max(low, 1), max=-1 if high is None else int(high), content=element("item", items, depth)
+            )
+            some = SequenceFormat(elements=[count, ws])
+            return some if low else OrFormat(elements=[ConstStringFormat(value=""), some])  # [] is no text
+        return library(sub)
+
+    return value(schema, 0)
+
+
+_MAX_LAYOUT_DEPTH = 16  # nesting laid out here; deeper parts go through the library's grammar
+
+
+def _resolve(schema: Any, defs: Mapping[str, Any]) -> Any:
+    """A local `$ref` (`#/$defs/NAME`, `#/definitions/NAME`) -> its schema; anything else as is."""
+    ref = schema.get("$ref") if isinstance(schema, Mapping) else None
+    if isinstance(ref, str):
+        _, _, path = ref.partition("#/")
+        kind, _, name = path.partition("/")
+        if isinstance(found := defs.get(kind, {}).get(name), Mapping):
+            return found
+    return schema
+
+
+def _holds_bounded(schema: Any, defs: Mapping[str, Any], depth: int = 0) -> bool:
+    """Whether a bounded string is in `schema`, through properties, items, branches and refs."""
+    schema = _resolve(schema, defs)
+    if depth > _MAX_LAYOUT_DEPTH or not isinstance(schema, Mapping):
+        return False
+    if _bounded(schema):
+        return True
+    props = schema.get("properties")
+    subs = list(props.values()) if isinstance(props, Mapping) else []
+    subs += [schema.get("items"), *(schema.get("anyOf") or []), *(schema.get("oneOf") or [])]
+    return any(_holds_bounded(sub, defs, depth + 1) for sub in subs)
 
 
 def _bounded(schema: Any) -> bool:
@@ -440,11 +481,6 @@ def _bounded(schema: Any) -> bool:
         and "const" not in schema
         and (bool(schema.get("minLength")) or "maxLength" in schema or "pattern" in schema)
     )
-
-
-def _bounded_branch(schema: Any) -> bool:
-    branches = schema.get("anyOf") or schema.get("oneOf") if isinstance(schema, Mapping) else None
-    return isinstance(branches, list) and any(_bounded(b) for b in branches)
 
 
 def _bounded_string(schema: Mapping[str, Any]) -> Any:
@@ -468,9 +504,8 @@ def _bounded_string(schema: Mapping[str, Any]) -> Any:
 def xml_schema(schema: Any, depth: int = 0) -> Any:
     """A tool's parameter schema as the library's XML argument grammar can enforce it: without
     the string limits (`STRING_LIMITS`) it cannot carry, which real tool schemas (MCP servers,
-    coding tools) hold. The call's structure, types, enums and numbers stay enforced; bounded
-    strings that are parameters themselves are enforced by `_arguments`, and the client checks
-    the limits of nested ones, as it does for any model's call."""
+    coding tools) hold. `_arguments` uses it only for parts that hold no bounded string; a
+    `format` is left to the client, as it is an annotation."""
     if depth > 64 or not isinstance(schema, Mapping):
         return schema
     out = {k: v for k, v in schema.items() if k not in STRING_LIMITS}

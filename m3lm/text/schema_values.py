@@ -8,10 +8,11 @@ The parsers themselves: `reasoning.ReplyParser` / `reasoning.parse_reply` for a 
 - `parse_json_bounded`: JSON with bounded nesting and finite numbers, for M2 object values and
   for tool-call arguments sent back in the history;
 - `plan_tool_choice`: "none", or no tools in the request: no parsing, the reply is plain
-  content. "auto": parse. "required": parse; the engine has no constrained decoding, so when
-  the model produced no call the reply goes out as content with finish_reason "stop" (a call
-  is never invented; `missing_required_call` lets the server log or count it). A named
-  function: parse and keep only calls to it. `parallel_tool_calls: false` keeps the first call;
+  content. "auto": parse. "required": parse; where no grammar enforced the call and the model
+  produced none, the reply goes out as content with
+  finish_reason "stop" (a call is never invented; `missing_required_call` lets the server log or
+  count it). A named function: parse and keep only calls to it. `parallel_tool_calls: false`
+  keeps the first call;
 - `template_messages`: OpenAI history -> the dicts the chat template renders.
 """
 
@@ -52,13 +53,35 @@ _INT = re.compile(r"-?[0-9]+")
 _NUM = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 
 
+def _definitions(schema: Any) -> dict[str, Any]:
+    return {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
+
+
+def resolved(schema: Any, defs: dict[str, Any] | None = None) -> Any:
+    """`schema` with a local `$ref` (`#/$defs/NAME`, `#/definitions/NAME`) followed, carrying the
+    root's definitions (`defs`, else its own) so that the parts below it resolve too."""
+    if not isinstance(schema, dict):
+        return schema
+    defs = _definitions(schema) if defs is None else defs
+    for _ in range(MAX_DEPTH):  # a ref to a ref, never forever
+        ref = schema.get("$ref")
+        kind, _, name = ref.removeprefix("#/").partition("/") if isinstance(ref, str) else ("", "", "")
+        target = defs.get(kind, {}).get(name)
+        if not isinstance(target, dict):
+            break
+        schema = target
+    return {**schema, **defs} if defs else schema
+
+
 def _alternatives(schema: Any) -> list[dict[str, Any]]:
+    schema = resolved(schema)
     if not isinstance(schema, dict):
         return []
+    defs = _definitions(schema)
     alts = [schema]
     for key in ("anyOf", "oneOf", "allOf"):
         if isinstance(schema.get(key), list):
-            alts.extend(s for s in schema[key] if isinstance(s, dict))
+            alts.extend(resolved(s, defs) for s in schema[key] if isinstance(s, dict))
     return alts
 
 
@@ -83,15 +106,17 @@ def schema_types(schema: Any) -> set[str]:
 def child_schema(schema: Any, name: str) -> Any:
     """Schema of element `name` inside `schema` (`item` -> `items`), or None when unknown."""
     alts = _alternatives(schema)
+    defs = _definitions(alts[0]) if alts else {}
     for alt in alts:
         if name == "item" and isinstance(alt.get("items"), dict):
-            return alt["items"]
+            return resolved(alt["items"], defs)
         props = alt.get("properties")
         if isinstance(props, dict) and isinstance(props.get(name), dict):
-            return props[name]
-    return next(
+            return resolved(props[name], defs)
+    extra = next(
         (a["additionalProperties"] for a in alts if isinstance(a.get("additionalProperties"), dict)), None
     )
+    return resolved(extra, defs)
 
 
 def _number(s: str) -> int | float | None:

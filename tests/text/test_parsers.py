@@ -211,6 +211,27 @@ def test_nested_objects_and_arrays():
     assert parse(invoke("g", rows), tools=tools)[2] == [("g", {"rows": [["1", "2"], ""]})]
 
 
+def test_values_are_typed_through_local_refs():
+    """Pydantic's nested models come as `$defs` and `$ref`s (LangChain's function calling): the
+    values below a ref are typed by what it names, in `anyOf` branches and array items too."""
+    person = {"type": "object", "properties": {"age": {"type": "integer"}, "tags": {"type": "array"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "owner": {"$ref": "#/$defs/Person"},
+            "backup": {"anyOf": [{"$ref": "#/$defs/Person"}, {"type": "null"}]},
+            "team": {"type": "array", "items": {"$ref": "#/definitions/Alias"}},
+        },
+        "$defs": {"Person": person},
+        "definitions": {"Alias": {"$ref": "#/$defs/Person"}},
+    }
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    body = el("owner", el("age", "36") + el("tags", "")) + el("backup", "null")
+    body += el("team", el("item", el("age", "7")))
+    expected = {"owner": {"age": 36, "tags": []}, "backup": None, "team": [{"age": 7}]}
+    assert parse(invoke("f", body), tools=tools)[2] == [("f", expected)]
+
+
 INT, N, B = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 
 
