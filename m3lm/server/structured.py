@@ -142,7 +142,7 @@ def chat_rules(
     if rules is not None and budget is None:  # forced output must arrive: reasoning ends in time
         limit = req.max_completion_tokens or req.max_tokens
         budget = (
-            FORCED_REASONING_BUDGET if limit is None else min(FORCED_REASONING_BUDGET, max(1, limit // 2))
+            FORCED_REASONING_BUDGET if limit is None else min(FORCED_REASONING_BUDGET, max(1, limit // 4))
         )
     return rules, thinking_control(fmt, mode, budget, rules is not None)
 
@@ -154,7 +154,8 @@ def completion_rules(req: Any) -> StructuredOutput | None:
 
 # Under a grammar (a schema, a forced tool call) a reply that reasons and never closes its
 # reasoning would end with no answer: without a budget of the request's, reasoning gets this
-# many tokens, or half of max_tokens when that is less, and then the closer is forced.
+# many tokens, or a quarter of max_tokens when that is less (the rest is the answer's: a call's
+# markup takes many tokens), and then the closer is forced.
 FORCED_REASONING_BUDGET = 2048
 
 

@@ -473,7 +473,7 @@ def test_required_and_named_tool_choice_always_call_in_m3_format(client):
 @pytest.mark.parametrize("mode", ["enabled", "adaptive"])
 def test_forced_output_arrives_after_reasoning_without_a_budget(client, mode):
     """The story model never closes its reasoning by itself: with no budget of the request's, a
-    grammar's reasoning still ends at half of max_tokens, and the forced call or choice follows."""
+    grammar's reasoning still ends at a quarter of max_tokens, and the forced call or choice follows."""
     rng = random.Random(5)
     tools = tools_for(rng, strict=None)
     extra = {"chat_template_kwargs": {"thinking_mode": mode}}
