@@ -234,10 +234,10 @@ def _read_scale(st, src: Source):
     return _sibling(st, src.file, src.scale, src.scale_file)
 
 
-def _sibling(st, file: Path, name: str, where: Path):
-    """Tensor `name` (a slice object in `file`'s open shard, else read whole from `where`)."""
+def _sibling(st, file: Path, name: str, where: Path, whole: bool = False):
+    """Tensor `name` (a slice object in `file`'s open shard unless `whole`, else read from `where`)."""
     if where == file:
-        return st.get_slice(name)
+        return st.get_tensor(name) if whole else st.get_slice(name)
     with safe_open(where, framework="pt") as other:
         return other.get_tensor(name)
 
@@ -250,8 +250,11 @@ def _unpacked(st, src: Source, sl, index: tuple) -> torch.Tensor:
     lead = index[:-1] if len(index) == ndim else index
     parts = {}
     for role, name, where in src.packed.parts:
-        t = _sibling(st, src.file, name, where)
-        parts[role] = (t[lead] if lead else t[:]) if role in ("scale", "biases") else t[:]
+        if role in ("scale", "biases"):
+            t = _sibling(st, src.file, name, where)
+            parts[role] = t[lead] if lead else t[:]
+        else:  # one fp32 value
+            parts[role] = _sibling(st, src.file, name, where, whole=True)
     w = decode_packed(src.packed.kind, sl[lead] if lead else sl[:], parts, src.packed.bits)
     return w[..., index[-1]] if len(index) == ndim else w
 
