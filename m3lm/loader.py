@@ -16,7 +16,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ class Packed:
     kind: str
     bits: int
     parts: tuple[tuple[str, str, Path], ...]
+    shape: tuple[int, ...]  # unpacked: what the shard plan cuts
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,9 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3, scheme: QuantSche
         scale = st.parts["scale"] if st.kind == "MXFP8" else None
         packed = None
         if st.kind not in (PLAIN, "MXFP8"):
-            packed = Packed(st.kind, rule.bits, tuple((k, v, tensors[v][0]) for k, v in st.parts.items()))
+            packed = Packed(
+                st.kind, rule.bits, tuple((k, v, tensors[v][0]) for k, v in st.parts.items()), full
+            )
         sources.append(Source(file, name, scale, tensors[scale][0] if scale else None, r.pieces, packed))
     if unclaimed:
         errors.append(
@@ -210,6 +213,19 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3, scheme: QuantSche
     if errors:
         raise CheckpointError("; ".join(errors))
     return sources
+
+
+def dense_without_indexer(args: ModelArgs, tensors: dict) -> ModelArgs:
+    """mlx-lm's MiniMax-M3 leaves the MSA indexer out of its exports and attends densely on every
+    layer; such an export runs so here too: exact up to `dense_window` tokens, dense beyond."""
+    if not any(args.sparse_layers) or any("index_q_proj" in n or ".indexer." in n for n in tensors):
+        return args
+    log.warning(
+        "this MLX export has no MSA indexer weights (mlx-lm drops them): every layer attends densely, "
+        "which equals MSA up to %d tokens",
+        args.dense_window,
+    )
+    return replace(args, sparse_layers=(False,) * args.num_hidden_layers)
 
 
 def _missing(params: dict[str, tuple[int, ...]], written: dict, limit: int = 20) -> str:
@@ -246,7 +262,7 @@ def _unpacked(st, src: Source, sl, index: tuple) -> torch.Tensor:
     """Rows `index` of a packed weight, dequantised to fp32: the values and their scales share
     every dim but the last, so both take the index's leading part; the inputs are cut after."""
     assert src.packed is not None
-    ndim = len(sl.get_shape())
+    ndim = len(src.packed.shape)
     lead = index[:-1] if len(index) == ndim else index
     parts = {}
     for role, name, where in src.packed.parts:
@@ -295,7 +311,7 @@ def stream_weights(
                         sl = st.get_slice(src.name)
                         scale = _read_scale(st, src) if src.scale else None
                         if src.packed is not None:
-                            for index, param, slot in _pieces(src, tuple(sl.get_shape()), shards):
+                            for index, param, slot in _pieces(src, src.packed.shape, shards):
                                 write_piece(
                                     params, Piece(param, slot), _unpacked(st, src, sl, index), None, src.name
                                 )
@@ -380,6 +396,9 @@ def load_model(
     path = check_dir(path)
     args = ModelArgs.from_file(path / "config.json")
     files = weight_files(path) if load_format == "auto" else []
+    scheme = read_scheme(path)
+    if files and scheme.name == "mlx":
+        args = dense_without_indexer(args, _headers(files))
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     auto = (quant or "auto") == "auto"

@@ -132,6 +132,21 @@ def test_mlx_affine_export_equals_its_dequantised_twin(tmp_path, case):
         assert torch.equal(dict(model.named_parameters())[name], p), name
 
 
+def test_an_mlx_export_without_the_indexer_attends_densely(tmp_path, caplog):
+    """mlx-lm's exports leave the MSA indexer out; the model then runs every layer densely, as the
+    twin whose config has no MSA layer (exact below the dense window)."""
+    model, _ = assert_twin(mlx_export(tmp_path, 4, 64, {}, indexer=False))
+    assert not any(model.args.sparse_layers) and "no MSA indexer weights" in caplog.text
+
+
+def test_a_half_missing_indexer_is_still_a_missing_tensor(tmp_path):
+    export = mlx_export(tmp_path, 4, 64, {})
+    name = "model.layers.1.self_attn.index_k_proj"
+    path = rewrite(export, lambda t: [t.pop(name + s) for s in (".weight", ".scales", ".biases")])
+    with pytest.raises(CheckpointError, match="missing tensor.*layers.1.self_attn.index_k_proj"):
+        m3lm.load(path, device="cpu")
+
+
 @pytest.mark.parametrize("in_config_json", [False, True], ids=["hf_quant_config", "config.json"])
 def test_modelopt_nvfp4_export_with_exclusions(tmp_path, in_config_json):
     export = modelopt_nvfp4_export(tmp_path, in_config_json)
@@ -228,3 +243,29 @@ def test_nvfp4_tensors_without_a_scheme_are_refused(tmp_path):
     (export.path / "hf_quant_config.json").unlink()
     with pytest.raises(CheckpointError, match="stored as NVFP4, but no quantization config makes it"):
         m3lm.load(export.path, device="cpu")
+
+
+@pytest.mark.parametrize("layout", ["mlx", "nvfp4"])
+def test_each_rank_reads_its_slice_of_packed_weights(tmp_path, layout):
+    """Under tensor and expert parallelism a rank dequantises whole rows and keeps its slice: the
+    single process's parameters cut by the shard plan (columns split inside a quantisation group)."""
+    from dataclasses import replace
+
+    from m3lm.distributed.parallel import ParallelConfig
+    from m3lm.distributed.shard import param_shard
+    from m3lm.loader import load_model
+    from tests.support.checkpoints import TP_SPEC
+
+    spec = replace(TP_SPEC, inter=64, shared_inter=64)
+    export = (
+        mlx_export(tmp_path, 4, 64, {}, spec=spec)
+        if layout == "mlx"
+        else modelopt_nvfp4_export(tmp_path, True, spec)
+    )
+    full = load_model(export.path, "cpu", torch.float32)
+    ref = dict(full.named_parameters())
+    for pc in (ParallelConfig(2, 1), ParallelConfig(2, 0, ep=True)):
+        model = load_model(export.path, "cpu", torch.float32, parallel=pc)
+        for name, p in model.named_parameters():
+            shard = param_shard(name, tuple(ref[name].shape), full.args, pc)
+            assert torch.equal(p, ref[name][shard] if shard else ref[name]), (pc, name)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -170,11 +170,20 @@ def _write_pair(
 
 
 def mlx_export(
-    root: Path, bits: int, group: int, overrides: dict, spec: Spec = QUANT_SPEC, seed: int = 0
+    root: Path,
+    bits: int,
+    group: int,
+    overrides: dict,
+    spec: Spec = QUANT_SPEC,
+    seed: int = 0,
+    indexer: bool = True,
 ) -> Export:
     """mlx-lm's layout: names without `language_model.`, experts stacked as `switch_mlp`, every Linear
-    and the embedding quantised (router at 8 bits, as mlx-lm's predicate), bf16 elsewhere."""
+    and the embedding quantised (router at 8 bits, as mlx-lm's predicate), bf16 elsewhere. Without
+    `indexer`, the MSA indexer is left out as mlx-lm's export does (the twin then has no MSA layer)."""
     rel = {k: v.to(torch.bfloat16) for k, v in _release(spec, seed).items()}
+    if not indexer:
+        rel = {k: v for k, v in rel.items() if ".self_attn.index_" not in k}
     quant = {"group_size": group, "bits": bits, "mode": "affine", **overrides}
     for layer, moe in enumerate(spec.moe):
         if moe:
@@ -211,7 +220,9 @@ def mlx_export(
             out[module + ".scales"], out[module + ".biases"] = stacked[1], stacked[2]
     config = release_config(spec)["text_config"] | {"model_type": "minimax_m3"}
     config["quantization"] = config["quantization_config"] = quant
-    return _write_pair(root, out, config, twin, spec)
+    return _write_pair(
+        root, out, config, twin, spec if indexer else replace(spec, sparse=(False,) * spec.layers)
+    )
 
 
 def modelopt_nvfp4_export(root: Path, in_config_json: bool, spec: Spec = QUANT_SPEC, seed: int = 0) -> Export:
