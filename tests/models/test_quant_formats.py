@@ -27,6 +27,7 @@ from tests.support.quant_exports import (
     nvfp4_dequant,
     pack_nibbles,
     pack_stream,
+    random_source,
     read_stream,
 )
 
@@ -256,11 +257,11 @@ def test_each_rank_reads_its_slice_of_packed_weights(tmp_path, layout):
     from m3lm.loader import load_model
     from tests.support.checkpoints import TP_SPEC
 
-    spec = replace(TP_SPEC, inter=64, shared_inter=64)
+    source = random_source(replace(TP_SPEC, inter=64, shared_inter=64))
     export = (
-        mlx_export(tmp_path, 4, 64, {}, spec=spec)
+        mlx_export(tmp_path, 4, 64, {}, source)
         if layout == "mlx"
-        else modelopt_nvfp4_export(tmp_path, True, spec)
+        else modelopt_nvfp4_export(tmp_path, True, source)
     )
     full = load_model(export.path, "cpu", torch.float32)
     ref = dict(full.named_parameters())

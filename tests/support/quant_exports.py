@@ -12,10 +12,11 @@ Python integers, E2M1 and E8M0 from their definitions.
 
 from __future__ import annotations
 
+import copy
 import json
-import math
 import re
-from dataclasses import dataclass, replace
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -151,22 +152,45 @@ class Export:
     twin: Path
 
 
-def _release(spec: Spec, seed: int) -> dict[str, torch.Tensor]:
+@dataclass
+class Source:
+    """A release-layout checkpoint to export: its language-model tensors, its config.json, and the
+    folder whose tokenizer files both the export and its twin take (None: no tokenizer)."""
+
+    tensors: dict[str, torch.Tensor]
+    config: dict
+    folder: Path | None = None
+
+
+def random_source(spec: Spec = QUANT_SPEC, seed: int = 0) -> Source:
     t = to_release(hf_model(spec, seed=seed).state_dict(), spec)
-    return {k: v for k, v in t.items() if k.startswith("language_model.")}
+    return Source({k: v for k, v in t.items() if k.startswith("language_model.")}, release_config(spec))
+
+
+def checkpoint_source(folder: Path) -> Source:
+    """A release-layout checkpoint folder (one safetensors file), e.g. the embedded model."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(folder / "model.safetensors")
+    return Source(tensors, json.loads((folder / "config.json").read_text()), folder)
 
 
 def _linear(name: str) -> bool:
     return name.endswith("proj.weight") or bool(_EXPERT.fullmatch(name)) or name.endswith("gate.weight")
 
 
-def _write_pair(
-    root: Path, tensors: dict, config: dict, twin: dict, spec: Spec, extra: dict | None = None
-) -> Export:
+def _write_pair(root: Path, tensors: dict, config: dict, twin: dict, source: Source, extra: dict | None = None,
+                twin_config: dict | None = None) -> Export:  # fmt: skip
     path = write_checkpoint(root / "export", tensors, config)
     for name, content in (extra or {}).items():
         (path / name).write_text(json.dumps(content))
-    return Export(path, write_checkpoint(root / "twin", twin, release_config(spec)))
+    twin_path = write_checkpoint(root / "twin", twin, twin_config or source.config)
+    if source.folder is not None:
+        for f in source.folder.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                for dest in (path, twin_path):
+                    shutil.copy(f, dest / f.name)
+    return Export(path, twin_path)
 
 
 def mlx_export(
@@ -174,20 +198,21 @@ def mlx_export(
     bits: int,
     group: int,
     overrides: dict,
-    spec: Spec = QUANT_SPEC,
-    seed: int = 0,
+    source: Source | None = None,
     indexer: bool = True,
 ) -> Export:
     """mlx-lm's layout: names without `language_model.`, experts stacked as `switch_mlp`, every Linear
     and the embedding quantised (router at 8 bits, as mlx-lm's predicate), bf16 elsewhere. Without
     `indexer`, the MSA indexer is left out as mlx-lm's export does (the twin then has no MSA layer)."""
-    rel = {k: v.to(torch.bfloat16) for k, v in _release(spec, seed).items()}
+    source = source or random_source()
+    rel = {k: v.to(torch.bfloat16) for k, v in source.tensors.items()}
     if not indexer:
         rel = {k: v for k, v in rel.items() if ".self_attn.index_" not in k}
     quant = {"group_size": group, "bits": bits, "mode": "affine", **overrides}
-    for layer, moe in enumerate(spec.moe):
-        if moe:
-            quant.setdefault(f"model.layers.{layer}.block_sparse_moe.gate", {"group_size": 64, "bits": 8})
+    for name in rel:
+        if name.endswith("block_sparse_moe.gate.weight"):
+            module = name.removeprefix("language_model.").removesuffix(".weight")
+            quant.setdefault(module, {"group_size": 64, "bits": 8})
     out, twin, experts = {}, {}, {}
     for name, w in rel.items():
         mlx = name.removeprefix("language_model.")
@@ -218,18 +243,22 @@ def mlx_export(
         out[module + ".weight"] = stacked[0]
         if len(stacked) == 3:
             out[module + ".scales"], out[module + ".biases"] = stacked[1], stacked[2]
-    config = release_config(spec)["text_config"] | {"model_type": "minimax_m3"}
-    config["quantization"] = config["quantization_config"] = quant
-    return _write_pair(
-        root, out, config, twin, spec if indexer else replace(spec, sparse=(False,) * spec.layers)
-    )
+    text = copy.deepcopy(source.config.get("text_config", source.config))
+    config = text | {"model_type": "minimax_m3", "quantization": quant, "quantization_config": quant}
+    twin_config = None
+    if not indexer:  # the twin has no MSA layer either
+        twin_config = copy.deepcopy(source.config)
+        twin_text = twin_config.get("text_config", twin_config)
+        twin_text["sparse_attention_config"]["use_sparse_attention"] = False
+    return _write_pair(root, out, config, twin, source, twin_config=twin_config)
 
 
-def modelopt_nvfp4_export(root: Path, in_config_json: bool, spec: Spec = QUANT_SPEC, seed: int = 0) -> Export:
+def modelopt_nvfp4_export(root: Path, in_config_json: bool, source: Source | None = None) -> Export:
     """Routed and shared experts NVFP4; attention, dense MLP, router and lm_head excluded (bf16)."""
     exclude = ["lm_head", "*self_attn*", "*.mlp.*", "*block_sparse_moe.gate"]
     out, twin = {}, {}
-    for name, w in _release(spec, seed).items():
+    source = source or random_source()
+    for name, w in source.tensors.items():
         module = name.removesuffix(".weight")
         if _linear(name) and not any(_glob(module, p) for p in exclude):
             packed, scale, global_scale, input_scale = nvfp4_quantize(w)
@@ -239,13 +268,13 @@ def modelopt_nvfp4_export(root: Path, in_config_json: bool, spec: Spec = QUANT_S
         else:
             out[name] = twin[name] = w.to(torch.bfloat16)
             twin[name] = twin[name].float()
-    config = release_config(spec)
+    config = copy.deepcopy(source.config)
     body = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16}
     if in_config_json:
         config["quantization_config"] = {"quant_method": "modelopt", **body, "ignore": exclude}
-        return _write_pair(root, out, config, twin, spec)
+        return _write_pair(root, out, config, twin, source)
     hf = {"producer": {"name": "modelopt"}, "quantization": {**body, "exclude_modules": exclude}}
-    return _write_pair(root, out, config, twin, spec, {"hf_quant_config.json": hf})
+    return _write_pair(root, out, config, twin, source, {"hf_quant_config.json": hf})
 
 
 def _glob(name: str, pattern: str) -> bool:
@@ -254,11 +283,12 @@ def _glob(name: str, pattern: str) -> bool:
     return any(fnmatch.fnmatchcase(n, pattern) for n in (name, name.removeprefix("language_model.")))
 
 
-def ct_mxfp4_export(root: Path, spec: Spec = QUANT_SPEC, seed: int = 0) -> Export:
+def ct_mxfp4_export(root: Path, source: Source | None = None) -> Export:
     """Routed experts MXFP4 (`weight_packed`, U8 E8M0 `weight_scale`); shared expert, attention and
     dense MLP MXFP8 (`weight` e4m3, `weight_scale` typed F8_E8M0); router and lm_head ignored."""
     out, twin = {}, {}
-    for name, w in _release(spec, seed).items():
+    source = source or random_source()
+    for name, w in source.tensors.items():
         module = name.removesuffix(".weight")
         if _EXPERT.fullmatch(name):
             packed, scale = mxfp4_quantize(w)
@@ -272,7 +302,7 @@ def ct_mxfp4_export(root: Path, spec: Spec = QUANT_SPEC, seed: int = 0) -> Expor
             out[name] = w.to(torch.bfloat16)
             twin[name] = out[name].float()
     weights = {"type": "float", "strategy": "group", "group_size": 32, "symmetric": True, "dynamic": False}
-    config = release_config(spec)
+    config = copy.deepcopy(source.config)
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "format": "mixed-precision",
@@ -283,17 +313,19 @@ def ct_mxfp4_export(root: Path, spec: Spec = QUANT_SPEC, seed: int = 0) -> Expor
         },
         "ignore": ["lm_head", r"re:.*block_sparse_moe\.gate$"],
     }  # fmt: skip
-    return _write_pair(root, out, config, twin, spec)
+    return _write_pair(root, out, config, twin, source)
 
 
 FLASH_MXFP8 = ("q_proj", "k_proj", "v_proj", "o_proj", "index_q_proj", "index_k_proj")
 
 
-def flash_export(root: Path, spec: Spec = FLASH_SPEC, seed: int = 0) -> Export:
+def flash_export(root: Path, source: Source | None = None) -> Export:
     """The M3.1-Flash mix: NVFP4 routed experts, MXFP8 attention and indexer projections, bf16
-    elsewhere, as Model Optimizer MIXED_PRECISION with its `quantized_layers`."""
+    elsewhere, as Model Optimizer MIXED_PRECISION with its `quantized_layers` (by default on a
+    model with MSA on every layer, as the release)."""
     out, twin, layers = {}, {}, {}
-    for name, w in _release(spec, seed).items():
+    source = source or random_source(FLASH_SPEC)
+    for name, w in source.tensors.items():
         module = name.removesuffix(".weight")
         if _EXPERT.fullmatch(name):
             packed, scale, global_scale, input_scale = nvfp4_quantize(w)
@@ -309,15 +341,11 @@ def flash_export(root: Path, spec: Spec = FLASH_SPEC, seed: int = 0) -> Export:
         else:
             out[name] = w.to(torch.bfloat16)
             twin[name] = out[name].float()
-    config = release_config(spec)
+    config = copy.deepcopy(source.config)
     config["quantization_config"] = {
         "quant_method": "modelopt",
         "quant_algo": "MIXED_PRECISION",
         "quantized_layers": layers,
         "ignore": ["lm_head"],
     }
-    return _write_pair(root, out, config, twin, spec)
-
-
-def bytes_of(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(math.prod(t.shape) * t.element_size() for t in tensors.values())
+    return _write_pair(root, out, config, twin, source)
