@@ -215,6 +215,12 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3, scheme: QuantSche
     return sources
 
 
+def model_args(path: Path, files: list[Path], scheme: QuantScheme) -> ModelArgs:
+    """config.json's `ModelArgs`, as the checkpoint's tensors make them (`dense_without_indexer`)."""
+    args = ModelArgs.from_file(path / "config.json")
+    return dense_without_indexer(args, _headers(files)) if files and scheme.name == "mlx" else args
+
+
 def dense_without_indexer(args: ModelArgs, tensors: dict) -> ModelArgs:
     """mlx-lm's MiniMax-M3 leaves the MSA indexer out of its exports and attends densely on every
     layer; such an export runs so here too: exact up to `dense_window` tokens, dense beyond."""
@@ -394,11 +400,9 @@ def load_model(
             f"load_format = {load_format!r} is not supported (expected one of {list(LOAD_FORMATS)})"
         )
     path = check_dir(path)
-    args = ModelArgs.from_file(path / "config.json")
     files = weight_files(path) if load_format == "auto" else []
     scheme = read_scheme(path)
-    if files and scheme.name == "mlx":
-        args = dense_without_indexer(args, _headers(files))
+    args = model_args(path, files, scheme)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     auto = (quant or "auto") == "auto"
