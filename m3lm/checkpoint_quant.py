@@ -54,7 +54,7 @@ class QuantScheme:
     overrides: tuple[tuple[str, str, Rule], ...] = ()
 
     def rule(self, module: str) -> Rule:
-        names = _spellings(module)
+        names = (module, canonical(module))
         for how, pattern, rule in self.overrides:
             if any(_matches(how, pattern, n) for n in names):
                 return rule
@@ -79,15 +79,17 @@ class Stored:
 NONE = QuantScheme("none", Rule(frozenset({PLAIN, MXFP8}), "no quantization config"))
 
 
-def _spellings(module: str) -> tuple[str, ...]:
-    """A module's name as the config may spell it: the checkpoint's, and without a VL wrapper."""
-    out = [module]
-    for old, new in (("language_model.model.", "model."), ("model.language_model.", "model.")):
+def canonical(module: str) -> str:
+    """A module's name without a VL wrapper: `language_model.model.X` and `model.language_model.X`
+    are `model.X`, `language_model.lm_head` is `lm_head` (configs spell them either way)."""
+    for old, new in (
+        ("language_model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.", ""),
+    ):
         if module.startswith(old):
-            out.append(new + module[len(old) :])
-    if module.startswith("language_model."):
-        out.append(module[len("language_model.") :])
-    return tuple(out)
+            return new + module[len(old) :]
+    return module
 
 
 def _matches(how: str, pattern: str, name: str) -> bool:
@@ -163,9 +165,11 @@ def mlx_scheme(q: Any) -> QuantScheme:
         if key in ("bits", "group_size", "mode"):
             continue
         if value is False:
-            overrides.append(("exact", key, Rule(frozenset({PLAIN}), f"'quantization.{key}' = false")))
+            overrides.append(
+                ("exact", canonical(key), Rule(frozenset({PLAIN}), f"'quantization.{key}' = false"))
+            )
         elif isinstance(value, dict):
-            overrides.append(("exact", key, _affine_rule(value, f"'quantization.{key}'", default)))
+            overrides.append(("exact", canonical(key), _affine_rule(value, f"'quantization.{key}'", default)))
         elif value is not True:
             raise ConfigError(f"config.json: 'quantization.{key}' = {value!r} must be an object or a boolean")
     return QuantScheme("mlx", default, tuple(overrides))
@@ -198,7 +202,7 @@ def modelopt_scheme(q: dict, where: str) -> QuantScheme:
                     f"(m3lm reads {', '.join(MODELOPT_ALGOS)})"
                 )
             rule = Rule(frozenset({PLAIN, MODELOPT_ALGOS[sub]}), f"{where} lists {module!r} as {sub}")
-            rules.append(("under", module, rule))
+            rules.append(("under", canonical(module), rule))
         return QuantScheme("modelopt", Rule(frozenset({PLAIN}), f"{where} lists no algorithm"), tuple(rules))
     if algo not in MODELOPT_ALGOS:
         raise ConfigError(
