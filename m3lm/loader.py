@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from m3lm.checkpoint_quant import NONE, PLAIN, QuantScheme, Stored, check, read_scheme, stored
+from m3lm.checkpoint_quant import MXFP8, NONE, PLAIN, QuantScheme, Stored, check, read_scheme, stored
 from m3lm.config import ModelArgs
 from m3lm.device import resolve_device
 from m3lm.distributed.parallel import SINGLE, ParallelConfig
@@ -183,9 +183,9 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3, scheme: QuantSche
             continue
         for p in r.pieces:
             written[(p.param, p.slot)] += 1
-        scale = st.parts["scale"] if st.kind == "MXFP8" else None
+        scale = st.parts["scale"] if st.kind == MXFP8 else None
         packed = None
-        if st.kind not in (PLAIN, "MXFP8"):
+        if st.kind not in (PLAIN, MXFP8):
             packed = Packed(
                 st.kind, rule.bits, tuple((k, v, tensors[v][0]) for k, v in st.parts.items()), full
             )
@@ -418,9 +418,7 @@ def load_model(
     if load_format == "dummy":
         model = random_weights_(allocate(local, dev))
     else:
-        sources = plan(
-            files, args, model, read_scheme(path)
-        )  # a bad checkpoint fails here, before allocation
+        sources = plan(files, args, model, scheme)  # a bad checkpoint fails here, before allocation
         shards = None
         if parallel.world > 1:  # the full model's parameters (8-bit scales included) -> this rank's slice
             shards = {n: param_shard(n, tuple(p.shape), args, parallel) for n, p in model.named_parameters()}
