@@ -38,8 +38,9 @@ def test_generate_writes_the_twins_text(tmp_path, source, layout):
     assert got.stdout == want.stdout and len(got.stdout) > len(PROMPT) + 20
 
 
-def test_serve_writes_the_twins_text(tmp_path, source):
-    export = EXPORTS["MLX 4-bit"](tmp_path, source)
+@pytest.mark.parametrize("layout", EXPORTS)
+def test_serve_writes_the_twins_text(tmp_path, source, layout):
+    export = EXPORTS[layout](tmp_path, source)
     texts = []
     for folder in (export.path, export.twin):
         server = Serve("--model", str(folder), "--served-model-name", "m", "--compile", "off")

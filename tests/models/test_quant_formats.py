@@ -116,7 +116,9 @@ MLX_CASES = {
     "4-bit, attention 8-bit, lm_head kept": (4, 64, {"model.lm_head": False} | {
         f"model.layers.{i}.self_attn.{p}": {"bits": 8, "group_size": 32} for i in range(3) for p in ("q_proj", "o_proj")
     }),
-    "8-bit": (8, 64, {}),
+    "8-bit, one layer's stacked experts 4-bit": (8, 64, {
+        f"model.layers.1.block_sparse_moe.switch_mlp.{p}_proj": {"bits": 4, "group_size": 32} for p in ("gate", "up", "down")
+    }),
     "3-bit experts, 6-bit attention": (3, 64, {
         f"model.layers.{i}.self_attn.{p}": {"bits": 6, "group_size": 64}
         for i in range(3) for p in ("q_proj", "k_proj", "v_proj", "o_proj")
