@@ -141,6 +141,15 @@ def _json(f: Path) -> dict[str, Any]:
     return data
 
 
+def _names(value: Any, where: str) -> list[str]:
+    """A config's list of module names or patterns (absent: none)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise ConfigError(f"{where}: expected a list of module names or patterns, found {value!r}")
+    return value
+
+
 def _affine_rule(q: dict, where: str, default: Rule | None = None) -> Rule:
     mode = q.get("mode", "affine")
     if mode != "affine":
@@ -181,11 +190,7 @@ def modelopt_scheme(q: dict, where: str) -> QuantScheme:
     nested = isinstance(q.get("quantization"), dict)
     body = q["quantization"] if nested else q
     algo = str(body.get("quant_algo") or "").upper()
-    excluded = body.get("exclude_modules" if nested else "ignore", body.get("exclude_modules")) or []
-    if not isinstance(excluded, list) or not all(isinstance(p, str) for p in excluded):
-        raise ConfigError(
-            f"{where}: the exclusion list must be a list of module patterns, found {excluded!r}"
-        )
+    excluded = _names(body.get("exclude_modules" if nested else "ignore", body.get("exclude_modules")), where)
     group = body.get("group_size")
     if group not in (None, 16) and algo != "MXFP8":
         raise ConfigError(f"{where}: NVFP4 group_size = {group!r} is not supported (NVFP4 scales 16 inputs)")
@@ -234,11 +239,11 @@ def compressed_tensors_scheme(q: dict) -> QuantScheme:
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ConfigError("config.json: compressed-tensors 'config_groups' must be a non-empty object")
-    ignore = q.get("ignore") or []
+    ignore = _names(q.get("ignore"), "compressed-tensors 'ignore'")
     rules = [("target", p, Rule(frozenset({PLAIN}), f"compressed-tensors ignores {p!r}")) for p in ignore]
     for name, group in groups.items():
         rule = _ct_kind(name, group, q.get("format"))
-        rules += [("target", t, rule) for t in group.get("targets") or []]
+        rules += [("target", t, rule) for t in _names(group.get("targets"), f"group {name!r} 'targets'")]
     return QuantScheme(
         "compressed-tensors", Rule(frozenset({PLAIN}), "no config group targets it"), tuple(rules)
     )
