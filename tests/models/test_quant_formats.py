@@ -272,3 +272,11 @@ def test_each_rank_reads_its_slice_of_packed_weights(tmp_path, layout):
         for name, p in model.named_parameters():
             shard = param_shard(name, tuple(ref[name].shape), full.args, pc)
             assert torch.equal(p, ref[name][shard] if shard else ref[name]), (pc, name)
+
+
+def test_a_corrupt_hf_quant_config_is_one_line_naming_it(tmp_path):
+    export = modelopt_nvfp4_export(tmp_path, in_config_json=False)
+    (export.path / "hf_quant_config.json").write_text('{"quantization": ')
+    with pytest.raises(ConfigError, match="hf_quant_config.json: not valid JSON") as e:
+        m3lm.load(export.path, device="cpu")
+    assert "\n" not in str(e.value)

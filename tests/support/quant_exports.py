@@ -1,6 +1,7 @@
 """Tiny checkpoints in the published 4- and 8-bit layouts, each with its dequantised twin.
 
-A random model (`checkpoints.hf_model`) in the release layout is exported as MLX affine (mlx-lm's
+A release-layout model (random, `random_source`, or a checkpoint folder such as the embedded
+model, `checkpoint_source`) is exported as MLX affine (mlx-lm's
 names, stacked `switch_mlp` experts, config.json's `quantization` block with per-module
 overrides), Model Optimizer NVFP4 (`weight`, `weight_scale`, `weight_scale_2`, `input_scale`;
 the scheme in hf_quant_config.json or config.json, with an exclusion list), compressed-tensors
@@ -95,13 +96,15 @@ def nvfp4_quantize(w: torch.Tensor):
     return pack_nibbles(codes), scale, global_scale, torch.tensor(0.5, dtype=torch.float32)
 
 
+def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n / 2] uint8 -> the E2M1 values [..., n] in fp64, read nibble by nibble."""
+    rows = [[e2m1_value(c) for byte in row for c in (byte & 0x0F, byte >> 4)] for row in packed.tolist()]
+    return torch.tensor(rows, dtype=torch.float64)
+
+
 def nvfp4_dequant(packed, scale, global_scale) -> torch.Tensor:
-    lo, hi = (packed & 0x0F).tolist(), (packed >> 4).tolist()
-    vals = torch.tensor([[v for a, b in zip(r, s, strict=True) for v in (e2m1_value(a), e2m1_value(b))]
-                         for r, s in zip(lo, hi, strict=True)], dtype=torch.float64)  # fmt: skip
-    return (
-        (vals.unflatten(-1, (-1, 16)) * scale.double()[..., None] * float(global_scale)).flatten(-2).float()
-    )
+    vals = e2m1_values(packed).unflatten(-1, (-1, 16))
+    return (vals * scale.double()[..., None] * float(global_scale)).flatten(-2).float()
 
 
 def e8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -122,10 +125,7 @@ def mxfp4_quantize(w: torch.Tensor):
 
 
 def mxfp4_dequant(packed, scale) -> torch.Tensor:
-    lo, hi = (packed & 0x0F).tolist(), (packed >> 4).tolist()
-    vals = torch.tensor([[v for a, b in zip(r, s, strict=True) for v in (e2m1_value(a), e2m1_value(b))]
-                         for r, s in zip(lo, hi, strict=True)], dtype=torch.float64)  # fmt: skip
-    return (vals.unflatten(-1, (-1, 32)) * e8m0(scale)[..., None]).flatten(-2).float()
+    return (e2m1_values(packed).unflatten(-1, (-1, 32)) * e8m0(scale)[..., None]).flatten(-2).float()
 
 
 def mxfp8_quantize(w: torch.Tensor):
