@@ -78,9 +78,12 @@ def plan_memory(
     index_fp8: bool = False,
 ) -> MemoryPlan:
     """The plan for checkpoint folder `path` on `gpus` GPUs of `gpu_bytes` each, as `m3lm serve
-    --tensor-parallel-size gpus` would load it (`quant` as its --quant); reads headers only."""
+    --tensor-parallel-size gpus` would load it (`quant` as its --quant); reads headers only, and
+    a folder with only config.json plans from it alone."""
     path = check_dir(path)
-    files = weight_files(path)
+    # config.json alone plans too (as --load-format dummy loads): the release's dimensions, say
+    alone = not any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
+    files = [] if alone else weight_files(path)
     scheme = read_scheme(path)
     args = model_args(path, files, scheme)
     held = resolve_quant(quant, args, torch.device("cuda"))
@@ -119,7 +122,8 @@ def describe(plan: MemoryPlan) -> str:
         held += " (the checkpoint's 4- and 8-bit weights are dequantised at load)"
     budget = plan.gpu_bytes * plan.utilization
     return "\n".join([
-        f"checkpoint: {_size(plan.checkpoint_bytes)} on disk, quantisation: {plan.scheme}",
+        f"checkpoint: {_size(plan.checkpoint_bytes) + ' on disk' if plan.checkpoint_bytes else 'config.json alone'}, "
+        f"quantisation: {plan.scheme}",
         f"weights: {_size(plan.weight_bytes)} per GPU on {how}, held as {held}",
         f"KV cache: {_size(plan.gpu_bytes)} x {plan.utilization:g} = {_size(budget)}, less the weights and "
         f"{_size(plan.reserve_bytes)} for activations: {_size(plan.kv_bytes)} per GPU",

@@ -53,3 +53,11 @@ def test_plan_command_prints_the_plan_and_refuses_a_missing_gpu_size(export):
     if not torch.cuda.is_available():
         r = cli("plan", "--model", str(export.path))
         assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--gpu-memory" in r.stderr
+
+
+def test_config_json_alone_plans_as_its_checkpoint(export, tmp_path):
+    """A folder holding only config.json (say, the release's) plans from the config alone."""
+    (tmp_path / "config.json").write_text((export.twin / "config.json").read_text())
+    alone, full = plan_memory(tmp_path, 2, 10**9), plan_memory(export.twin, 2, 10**9)
+    assert alone.weight_bytes == full.weight_bytes and alone.kv_tokens == full.kv_tokens
+    assert alone.checkpoint_bytes == 0 and full.checkpoint_bytes > 0
