@@ -14,6 +14,7 @@ Python integers, E2M1 and E8M0 from their definitions.
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import re
 import shutil
@@ -266,8 +267,8 @@ def modelopt_nvfp4_export(root: Path, in_config_json: bool, source: Source | Non
             out[module + ".weight_scale_2"], out[module + ".input_scale"] = global_scale, input_scale
             twin[name] = nvfp4_dequant(packed, scale, global_scale)
         else:
-            out[name] = twin[name] = w.to(torch.bfloat16)
-            twin[name] = twin[name].float()
+            out[name] = w.to(torch.bfloat16)
+            twin[name] = out[name].float()
     config = copy.deepcopy(source.config)
     body = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16}
     if in_config_json:
@@ -278,8 +279,6 @@ def modelopt_nvfp4_export(root: Path, in_config_json: bool, source: Source | Non
 
 
 def _glob(name: str, pattern: str) -> bool:
-    import fnmatch
-
     return any(fnmatch.fnmatchcase(n, pattern) for n in (name, name.removeprefix("language_model.")))
 
 
