@@ -162,9 +162,20 @@ def test_compressed_tensors_mxfp4_beside_mxfp8(tmp_path):
     assert_twin(ct_mxfp4_export(tmp_path))
 
 
-def test_compressed_tensors_mxfp8_modules_stay_8_bit_when_asked(tmp_path):
-    model, _ = assert_twin(ct_mxfp4_export(tmp_path), quant="mxfp8")
+def test_compressed_tensors_export_held_in_8_bits_exactly_when_asked(tmp_path):
+    """quant="mxfp8": the MXFP8 modules as stored, and the MXFP4 experts too, exactly (an E2M1 value
+    times an E8M0 scale is an e4m3 value times an E8M0 scale)."""
+    model, twin = assert_twin(ct_mxfp4_export(tmp_path), quant="mxfp8")
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn
+    for layer in (1, 2):
+        ours, theirs = (
+            model.model.layers[layer].block_sparse_moe.experts,
+            twin.model.layers[layer].block_sparse_moe.experts,
+        )
+        for w in ("w1", "w2", "w3"):
+            assert torch.equal(
+                dequant_mxfp8(getattr(ours, w), getattr(ours, w + "_scale")), getattr(theirs, w)
+            )
 
 
 def test_m3_1_flash_mix_with_msa_on_every_layer(tmp_path):
