@@ -10,10 +10,12 @@ from pathlib import Path
 import torch
 
 from m3lm.cache.kv_cache import KVCache
+from m3lm.cache.pool import plan_pool
 from m3lm.checkpoint_quant import read_scheme
 from m3lm.config import ModelArgs
 from m3lm.distributed.parallel import ParallelConfig
 from m3lm.distributed.shard import mxfp8_split_errors
+from m3lm.errors import ConfigError
 from m3lm.layers.linear import weight_bytes
 from m3lm.loader import model_args, resolve_quant, weight_files
 from m3lm.model_dir import check_dir
@@ -62,9 +64,21 @@ class MemoryPlan:
 
     @property
     def kv_tokens(self) -> int:
-        """Cached tokens in whole pages."""
-        per_page = self.kv_bytes_per_token * self.page_size
-        return self.kv_bytes // per_page * self.page_size
+        """Cached tokens, as the engine sizes its pool from these figures (whole pages; 0: none fit)."""
+        try:
+            pool = plan_pool(
+                bytes_per_page=self.kv_bytes_per_token * self.page_size,
+                page_size=self.page_size,
+                max_positions=self.max_model_len,
+                max_num_seqs=1,
+                total_bytes=self.gpu_bytes,
+                utilization=self.utilization,
+                weight_bytes=self.weight_bytes,
+                peak_activation_bytes=self.reserve_bytes,
+            )
+        except ConfigError:  # not one page left
+            return 0
+        return pool.tokens
 
 
 def plan_memory(
@@ -121,12 +135,18 @@ def describe(plan: MemoryPlan) -> str:
     if plan.scheme not in ("none", "mxfp8"):
         held += " (the checkpoint's 4- and 8-bit weights are dequantised at load)"
     budget = plan.gpu_bytes * plan.utilization
-    return "\n".join([
+    lines = [
         f"checkpoint: {_size(plan.checkpoint_bytes) + ' on disk' if plan.checkpoint_bytes else 'config.json alone'}, "
         f"quantisation: {plan.scheme}",
         f"weights: {_size(plan.weight_bytes)} per GPU on {how}, held as {held}",
         f"KV cache: {_size(plan.gpu_bytes)} x {plan.utilization:g} = {_size(budget)}, less the weights and "
         f"{_size(plan.reserve_bytes)} for activations: {_size(plan.kv_bytes)} per GPU",
-        f"  = {plan.kv_tokens:,} tokens at {plan.kv_bytes_per_token:,} B each (KV and index keys), "
-        f"{plan.kv_tokens / plan.max_model_len:.2f} sequences of the full {plan.max_model_len:,}",
-    ])  # fmt: skip
+    ]
+    if plan.kv_tokens == 0:
+        lines.append("  = no room for a KV cache: more GPUs (or GPUs with more memory) are needed")
+    else:
+        lines.append(
+            f"  = {plan.kv_tokens:,} tokens at {plan.kv_bytes_per_token:,} B each (KV and index keys), "
+            f"{plan.kv_tokens / plan.max_model_len:.2f} sequences of the full {plan.max_model_len:,}"
+        )
+    return "\n".join(lines)

@@ -8,7 +8,7 @@ import torch
 from m3lm.distributed.parallel import ParallelConfig
 from m3lm.layers.linear import weight_bytes
 from m3lm.loader import load_model
-from m3lm.memory_plan import plan_memory
+from m3lm.memory_plan import describe, plan_memory
 from tests.support.checkpoints import TP_SPEC
 from tests.support.cli import cli
 from tests.support.quant_exports import modelopt_nvfp4_export, random_source
@@ -45,9 +45,11 @@ def test_kv_cache_is_what_the_gpu_has_left_in_whole_pages(export):
 
 
 def test_plan_command_prints_the_plan_and_refuses_a_missing_gpu_size(export):
-    r = cli("plan", "--model", str(export.path), "--tensor-parallel-size", "2", "--gpu-memory", "1GB")
+    argv = ("plan", "--model", str(export.path), "--tensor-parallel-size", "2", "--gpu-memory", "1GB")
+    r = cli(*argv, "--reserve", "100MB")
     assert r.returncode == 0, r.stderr
-    plan = plan_memory(export.path, 2, 10**9)
+    plan = plan_memory(export.path, 2, 10**9, reserve_bytes=10**8)
+    assert plan.kv_tokens > 0
     assert f"= {plan.kv_tokens:,} tokens at {plan.kv_bytes_per_token:,} B each" in r.stdout
     assert "per GPU on 2 GPUs, tensor parallel, held as bf16" in r.stdout
     if not torch.cuda.is_available():
@@ -61,3 +63,9 @@ def test_config_json_alone_plans_as_its_checkpoint(export, tmp_path):
     alone, full = plan_memory(tmp_path, 2, 10**9), plan_memory(export.twin, 2, 10**9)
     assert alone.weight_bytes == full.weight_bytes and alone.kv_tokens == full.kv_tokens
     assert alone.checkpoint_bytes == 0 and full.checkpoint_bytes > 0
+
+
+def test_a_plan_where_the_weights_leave_no_room_says_so(export):
+    plan = plan_memory(export.path, 1, 10**6)
+    assert plan.kv_bytes == 0 and plan.kv_tokens == 0
+    assert "no room for a KV cache" in describe(plan)
