@@ -218,13 +218,19 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3, scheme: QuantSche
 def model_args(path: Path, files: list[Path], scheme: QuantScheme) -> ModelArgs:
     """config.json's `ModelArgs`, as the checkpoint's tensors make them (`dense_without_indexer`)."""
     args = ModelArgs.from_file(path / "config.json")
-    return dense_without_indexer(args, _headers(files)) if files and scheme.name == "mlx" else args
+    return dense_without_indexer(args, _headers(files), scheme) if files else args
 
 
-def dense_without_indexer(args: ModelArgs, tensors: dict) -> ModelArgs:
-    """mlx-lm's MiniMax-M3 leaves the MSA indexer out of its exports and attends densely on every
-    layer; such an export runs so here too: exact up to `dense_window` tokens, dense beyond."""
-    if not any(args.sparse_layers) or any("index_q_proj" in n or ".indexer." in n for n in tensors):
+def dense_without_indexer(args: ModelArgs, tensors: dict, scheme: QuantScheme = NONE) -> ModelArgs:
+    """mlx-lm's MiniMax-M3 leaves the MSA indexer out of its exports (quantised, or in its own
+    `switch_mlp` names) and attends densely on every layer; such an export runs so here too:
+    exact up to `dense_window` tokens, dense beyond."""
+    mlx = scheme.name == "mlx" or any(".switch_mlp." in n for n in tensors)
+    if (
+        not mlx
+        or not any(args.sparse_layers)
+        or any("index_q_proj" in n or ".indexer." in n for n in tensors)
+    ):
         return args
     log.warning(
         "this MLX export has no MSA indexer weights (mlx-lm drops them): every layer attends densely, "

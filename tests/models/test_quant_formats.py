@@ -142,6 +142,11 @@ def test_an_mlx_export_without_the_indexer_attends_densely(tmp_path, caplog):
     assert not any(model.args.sparse_layers) and "no MSA indexer weights" in caplog.text
 
 
+def test_an_unquantised_mlx_export_without_the_indexer_attends_densely_too(tmp_path):
+    model, _ = assert_twin(mlx_export(tmp_path, 0, 64, {}, indexer=False))
+    assert not any(model.args.sparse_layers)
+
+
 def test_a_half_missing_indexer_is_still_a_missing_tensor(tmp_path):
     export = mlx_export(tmp_path, 4, 64, {})
     name = "model.layers.1.self_attn.index_k_proj"

@@ -223,7 +223,7 @@ def mlx_export(
             kind = {"w1": "gate", "w2": "down", "w3": "up"}[e.group(3)]
             module = f"{e.group(1)}.block_sparse_moe.switch_mlp.{kind}_proj"
             rule = quant.get(module, {"bits": bits, "group_size": group})
-        quantised = (_linear(name) or "embed_tokens" in name) and rule is not False
+        quantised = bits > 0 and (_linear(name) or "embed_tokens" in name) and rule is not False
         if not quantised or w.shape[-1] % rule["group_size"]:
             twin[name] = w.float()
             if e is None:
@@ -245,7 +245,9 @@ def mlx_export(
         if len(stacked) == 3:
             out[module + ".scales"], out[module + ".biases"] = stacked[1], stacked[2]
     text = copy.deepcopy(source.config.get("text_config", source.config))
-    config = text | {"model_type": "minimax_m3", "quantization": quant, "quantization_config": quant}
+    config = text | {"model_type": "minimax_m3"}
+    if bits:  # bits 0: mlx-lm's layout unquantised, with no quantization block
+        config |= {"quantization": quant, "quantization_config": quant}
     twin_config = None
     if not indexer:  # the twin has no MSA layer either
         twin_config = copy.deepcopy(source.config)
