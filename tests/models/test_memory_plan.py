@@ -69,3 +69,16 @@ def test_a_plan_where_the_weights_leave_no_room_says_so(export):
     plan = plan_memory(export.path, 1, 10**6)
     assert plan.kv_bytes == 0 and plan.kv_tokens == 0
     assert "no room for a KV cache" in describe(plan)
+
+
+def test_an_mxfp8_checkpoint_plans_its_8_bit_shards(tmp_path):
+    """On a GPU `serve` keeps an MXFP8 export's shards in 8 bits: so does the plan."""
+    from tests.support.checkpoints import TP_MX_SPEC, write_mxfp8_release
+
+    path = write_mxfp8_release(tmp_path, TP_MX_SPEC, seed=1)
+    plan = plan_memory(path, 2, 10**9)
+    loaded = [
+        load_model(path, "cpu", torch.bfloat16, quant="mxfp8", parallel=ParallelConfig(2, r)) for r in (0, 1)
+    ]
+    assert plan.quant == "mxfp8" and plan.weight_bytes == max(sum(weight_bytes(m).values()) for m in loaded)
+    assert plan.weight_bytes < plan_memory(path, 2, 10**9, quant="none").weight_bytes
