@@ -21,11 +21,12 @@ import torch
 
 from m3lm.bench.report import machine, write_section
 from m3lm.bench.tp_slice import slice_args
-from m3lm.cache.kv_cache import KVCache
 from m3lm.config import ModelArgs
 from m3lm.distributed.parallel import ParallelConfig
 from m3lm.kernels.fp8 import MX_BLOCK
 from m3lm.layers.linear import weight_bytes
+from m3lm.memory_plan import rank_bytes as plan_rank_bytes
+from m3lm.memory_plan import rank_model
 from m3lm.models.minimax_m3 import MXFP8_LINEARS, MiniMaxM3, keep_mxfp8_
 
 GPU_BYTES = 141e9  # H200 HBM as specified; torch reports about 140 GiB (about 150e9 B): conservative
@@ -35,11 +36,6 @@ HAND_TEXT_BF16 = 852_437_266_944  # the release's text decoder in bf16, counted 
 _8BIT = tuple(f"{p}.{n}.weight" for p, names in MXFP8_LINEARS for n in names) + tuple(
     f"block_sparse_moe.experts.{w}" for w in ("w1", "w2", "w3")
 )
-
-
-def rank_model(args: ModelArgs, pc: ParallelConfig) -> MiniMaxM3:
-    with torch.device("meta"):
-        return MiniMaxM3(args, dtype=torch.bfloat16, parallel=pc)
 
 
 def mxfp8_from_shapes(model: MiniMaxM3) -> int:
@@ -56,10 +52,9 @@ def rank_bytes(args: ModelArgs, pc: ParallelConfig) -> dict[str, int]:
     model = rank_model(args, pc)
     out = {"bf16": sum(weight_bytes(model).values()), "mxfp8_shapes": mxfp8_from_shapes(model)}
     out["mxfp8"] = sum(weight_bytes(keep_mxfp8_(model)).values())
-    kv_heads = model.model.layers[0].self_attn.n_kv
     for key, fp8 in (("kv_token", False), ("kv_token_fp8ik", True)):
-        out[key] = KVCache.bytes_per_page(args, torch.bfloat16, fp8, kv_heads) // args.index_block_size
-    out["kv_heads"] = kv_heads
+        out[key] = plan_rank_bytes(args, pc, None, fp8)[1]
+    out["kv_heads"] = model.model.layers[0].self_attn.n_kv
     return out
 
 

@@ -1,4 +1,4 @@
-"""The `m3lm` command: list | generate | chat | serve | bench (arguments in `cli_parser.py`)."""
+"""The `m3lm` command: list | generate | chat | serve | bench | plan (arguments in `cli_parser.py`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ FAMILIES = [
         "architecture": "MiniMaxM3SparseForConditionalGeneration (the text decoder)",
         "attention": "MSA: a lightning indexer picks top-k blocks per KV group",
         "experts": "MoE: sigmoid router with bias, and a shared expert",
-        "weights": "bf16; MXFP8 kept in 8 bits on GPUs, also as tensor-parallel shards",
+        "weights": "bf16; MXFP8 kept in 8 bits on GPUs, also as tensor-parallel shards; MLX affine, "
+        "NVFP4 and MXFP4 exports dequantised at load",
     },
 ]
 
@@ -36,6 +37,32 @@ def cmd_list(_: argparse.Namespace) -> int:
                 print(f"  {'':<14}{more}")
     print("\ndefault model (10M parameters, MSA + MoE, trained on short stories):")
     print(f"  {DEFAULT_MODEL}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Each GPU's weights and KV cache for a checkpoint, from its headers (`m3lm.memory_plan`)."""
+    import torch
+
+    from m3lm.memory_plan import describe, plan_memory
+
+    gpu = args.gpu_memory
+    if gpu is None:
+        if not torch.cuda.is_available():
+            raise M3lmError(
+                "no GPU is visible here: say --gpu-memory SIZE (e.g. 141GB for an H200, 80GB for an H100)"
+            )
+        gpu = torch.cuda.get_device_properties(0).total_memory
+    plan = plan_memory(
+        args.model,
+        args.tensor_parallel_size,
+        gpu,
+        expert_parallel=args.expert_parallel,
+        quant=args.quant,
+        utilization=args.gpu_memory_utilization,
+        reserve_bytes=args.reserve,
+    )
+    print(describe(plan))
     return 0
 
 
@@ -451,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
         "chat": cmd_chat,
         "serve": cmd_serve,
         "bench": cmd_bench,
+        "plan": cmd_plan,
     }
     return cli_parser.build_parser(commands)
 

@@ -483,6 +483,47 @@ def build_parser(commands) -> argparse.ArgumentParser:
         help="write the Markdown report to this file, and a plot of decode step time against context beside it (default: none)",
     )
 
+    pl = _command(
+        sub,
+        "plan",
+        "Tell what a checkpoint needs on each GPU: its resident weights and the KV cache left, from "
+        "the file headers alone (nothing is loaded).",
+        [
+            "m3lm plan --model DIR --tensor-parallel-size 4 --gpu-memory 141GB",
+            "m3lm plan --model DIR --tensor-parallel-size 8 --expert-parallel --gpu-memory 80GB",
+        ],
+        commands["plan"],
+    )
+    _model_flag(pl)
+    pl.add_argument(
+        "--tensor-parallel-size",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="the GPUs the model is sharded over",
+    )
+    pl.add_argument("--expert-parallel", action="store_true", help="whole experts per GPU (as serve's flag)")
+    pl.add_argument(
+        "--quant", choices=["auto", "mxfp8", "none"], default="auto", help="as serve's --quant, on a GPU"
+    )
+    pl.add_argument(
+        "--gpu-memory",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="one GPU's memory, e.g. 141GB, 80GB (default: the visible GPU's)",
+    )
+    pl.add_argument(
+        "--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F", help="as serve's flag"
+    )
+    pl.add_argument(
+        "--reserve",
+        type=parse_size,
+        default="8GB",
+        metavar="SIZE",
+        help="an allowance for activations, workspace and CUDA graphs; serve measures its own",
+    )
+
     for p in (gen, chat, srv):
         _shared_flags(p)
     for p in (gen, chat):

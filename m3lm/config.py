@@ -23,7 +23,7 @@ SESSION_CONTEXT = 32768  # `session_engine`'s default context, in tokens (`m3lm 
 
 TOP_MODEL_TYPES = ("minimax_m3_vl", "minimax_m3", "minimax_m3_vl_text")
 TEXT_MODEL_TYPES = ("minimax_m3", "minimax_m3_vl_text")
-QUANT_METHODS = ("mxfp8",)
+QUANT_METHODS = ("mxfp8", "modelopt", "compressed-tensors")
 _MISSING = object()
 # Generous upper bounds on sizes (the release: vocab 200064, hidden 6144, 60 layers, 64 heads of
 # 128, width 12288, 128 experts, blocks of 128, 1M positions), so that a typo is refused before
@@ -216,6 +216,10 @@ def _text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
 
 
 def _quant_method(config: dict[str, Any], text: dict[str, Any]) -> str | None:
+    """The scheme's family: "mlx" for MLX's `quantization` block, else `quantization_config`'s
+    `quant_method`. Each scheme's details are read by `m3lm.checkpoint_quant` when weights load."""
+    if config.get("quantization") is not None:
+        return "mlx"
     qc = config.get("quantization_config") or text.get("quantization_config")
     if qc is None:
         return None
@@ -228,10 +232,10 @@ def _quant_method(config: dict[str, Any], text: dict[str, Any]) -> str | None:
     if method not in QUANT_METHODS:
         raise ConfigError(
             f"config.json: 'quantization_config.quant_method' = {method!r} is not supported "
-            f"(expected one of {list(QUANT_METHODS)})"
+            f"(expected one of {list(QUANT_METHODS)}, or MLX's 'quantization' block)"
         )
     block = qc.get("weight_block_size", [1, 32])
-    if block != [1, 32]:
+    if method == "mxfp8" and block != [1, 32]:
         raise ConfigError(
             f"config.json: 'quantization_config.weight_block_size' = {block!r} is not supported (expected [1, 32])"
         )

@@ -16,7 +16,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -24,20 +24,20 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from m3lm.checkpoint_quant import MXFP8, NONE, PLAIN, QuantScheme, Stored, check, read_scheme, stored
 from m3lm.config import ModelArgs
 from m3lm.device import resolve_device
 from m3lm.distributed.parallel import SINGLE, ParallelConfig
 from m3lm.distributed.shard import localize, mxfp8_split_errors, param_shard
 from m3lm.errors import CheckpointError
-from m3lm.kernels.fp8 import MX_BLOCK, quantize_mxfp8
+from m3lm.kernels.fp8 import quantize_mxfp8
 from m3lm.layers.linear import weight_bytes
 from m3lm.model_dir import check_dir, check_inside, inside
 from m3lm.models.minimax_m3 import MiniMaxM3, Piece, release_name, remap_key
-from m3lm.weight_copy import write_piece, write_slice
+from m3lm.weight_copy import decode_packed, write_piece, write_slice
 
 log = logging.getLogger("m3lm")
 
-SCALE_SUFFIX = "_scale_inv"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
 QUANT_MODES = ("auto", "mxfp8", "none")
@@ -48,12 +48,23 @@ FLOAT_DTYPES = ("F16", "BF16", "F32")
 
 
 @dataclass(frozen=True)
+class Packed:
+    """A 4-bit or MLX affine weight's encoding and its scale tensors (role, name, file)."""
+
+    kind: str
+    bits: int
+    parts: tuple[tuple[str, str, Path], ...]
+    shape: tuple[int, ...]  # unpacked: what the shard plan cuts
+
+
+@dataclass(frozen=True)
 class Source:
     file: Path
     name: str
-    scale: str | None  # the `*_scale_inv` sibling of an MXFP8 tensor
+    scale: str | None  # the E8M0 scales of an MXFP8 tensor (`*_scale_inv` or `*.weight_scale`)
     scale_file: Path | None  # may be another shard
     pieces: tuple[Piece, ...]
+    packed: Packed | None = None  # dequantised at load
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
@@ -125,48 +136,60 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
     return out
 
 
-def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3) -> list[Source]:
-    """Map every checkpoint tensor to parameter pieces; raise on any gap, overlap or mismatch."""
+def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3, scheme: QuantScheme = NONE) -> list[Source]:
+    """Map every checkpoint tensor to parameter pieces; raise on any gap, overlap or mismatch.
+    Each weight's encoding comes from its tensors and must be one `scheme` allows its module."""
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for n in scale_params(params):
         del params[n]
     tensors = _headers(files)
-    sources, errors, unclaimed = [], [], []
+    headers = {n: (shape, dtype) for n, (_, shape, dtype) in tensors.items()}
+    weights, errors, unclaimed = {}, [], []
+    for name in tensors:
+        try:
+            if (s := stored(name, headers)) is not None:
+                weights[name] = s
+        except CheckpointError as e:
+            errors.append(str(e))
+    consumed = {p for s in weights.values() for p in s.parts.values()}
+    sources = []
     written: dict[tuple[str, int | None], int] = defaultdict(int)
-    for name, (file, shape, dtype) in tensors.items():
-        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in tensors:
-            continue  # consumed with its tensor
-        r = remap_key(name, shape, args, params)
+    for name, (file, _, dtype) in tensors.items():
+        if name in consumed or scheme.ignored(name):
+            continue  # read with its weight
+        st = weights.get(name) or Stored(PLAIN, name, name, name)
+        rule = scheme.rule(st.module)
+        full, error = check(st, headers, rule)
+        if error:
+            errors.append(error)
+            continue
+        r = remap_key(st.target, full, args, params)
         if r is None:
             continue
         if r.shape is None or any(p.param not in params for p in r.pieces):
             unclaimed.append(name)
             continue
-        if shape != r.shape:
-            errors.append(f"{name}: expected shape {list(r.shape)}, found {list(shape)}")
+        if full != r.shape:
+            errors.append(f"{name}: expected shape {list(r.shape)}, found {list(full)}")
             continue
-        scale = name + SCALE_SUFFIX if name + SCALE_SUFFIX in tensors else None
-        if scale is not None:
-            s_shape, s_dtype = tensors[scale][1:]
-            want = (*shape[:-1], shape[-1] // MX_BLOCK)
-            if dtype != "F8_E4M3" or s_dtype != "U8" or s_shape != want or shape[-1] % MX_BLOCK:
-                errors.append(
-                    f"{name}: MXFP8 weight must be F8_E4M3 {list(shape)} with U8 scales {list(want)}, "
-                    f"found {dtype} with {s_dtype} {list(s_shape)}"
-                )
-                continue
-        elif dtype == "F8_E4M3":
-            errors.append(f"{name}: float8 tensor without its {SCALE_SUFFIX} scales")
+        if st.kind == PLAIN and dtype == "F8_E4M3":
+            errors.append(f"{name}: float8 tensor without its _scale_inv scales")
             continue
-        elif dtype not in FLOAT_DTYPES:
+        if st.kind == PLAIN and dtype not in FLOAT_DTYPES:
             errors.append(
                 f"{name}: dtype {dtype} is not supported (expected one of {', '.join(FLOAT_DTYPES)}, "
-                f"or F8_E4M3 with U8 {SCALE_SUFFIX} scales)"
+                f"or F8_E4M3 with U8 _scale_inv scales)"
             )
             continue
         for p in r.pieces:
             written[(p.param, p.slot)] += 1
-        sources.append(Source(file, name, scale, tensors[scale][0] if scale else None, r.pieces))
+        scale = st.parts["scale"] if st.kind == MXFP8 else None
+        packed = None
+        if st.kind not in (PLAIN, MXFP8):
+            packed = Packed(
+                st.kind, rule.bits, tuple((k, v, tensors[v][0]) for k, v in st.parts.items()), full
+            )
+        sources.append(Source(file, name, scale, tensors[scale][0] if scale else None, r.pieces, packed))
     if unclaimed:
         errors.append(
             f"unexpected language-model tensor(s) that no parameter claims: {', '.join(sorted(unclaimed))}"
@@ -192,6 +215,31 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3) -> list[Source]:
     return sources
 
 
+def model_args(path: Path, files: list[Path], scheme: QuantScheme) -> ModelArgs:
+    """config.json's `ModelArgs`, as the checkpoint's tensors make them (`dense_without_indexer`)."""
+    args = ModelArgs.from_file(path / "config.json")
+    return dense_without_indexer(args, _headers(files), scheme) if files else args
+
+
+def dense_without_indexer(args: ModelArgs, tensors: dict, scheme: QuantScheme = NONE) -> ModelArgs:
+    """mlx-lm's MiniMax-M3 leaves the MSA indexer out of its exports (quantised, or in its own
+    `switch_mlp` names) and attends densely on every layer; such an export runs so here too:
+    exact up to `dense_window` tokens, dense beyond."""
+    mlx = scheme.name == "mlx" or any(".switch_mlp." in n for n in tensors)
+    if (
+        not mlx
+        or not any(args.sparse_layers)
+        or any("index_q_proj" in n or ".indexer." in n for n in tensors)
+    ):
+        return args
+    log.warning(
+        "this MLX export has no MSA indexer weights (mlx-lm drops them): every layer attends densely, "
+        "which equals MSA up to %d tokens",
+        args.dense_window,
+    )
+    return replace(args, sparse_layers=(False,) * args.num_hidden_layers)
+
+
 def _missing(params: dict[str, tuple[int, ...]], written: dict, limit: int = 20) -> str:
     """The first `limit` unwritten parameter slots by name, and how many more. Slots are walked
     lazily: a config can promise far more expert slots than fit in memory as a list."""
@@ -211,10 +259,39 @@ def _missing(params: dict[str, tuple[int, ...]], written: dict, limit: int = 20)
 
 def _read_scale(st, src: Source):
     """The scales of an MXFP8 tensor, from its own shard or (rarely) another one."""
-    if src.scale_file == src.file:
-        return st.get_slice(src.scale)
-    with safe_open(src.scale_file, framework="pt") as other:
-        return other.get_tensor(src.scale)
+    return _sibling(st, src.file, src.scale, src.scale_file)
+
+
+def _sibling(st, file: Path, name: str, where: Path, whole: bool = False):
+    """Tensor `name` (a slice object in `file`'s open shard unless `whole`, else read from `where`)."""
+    if where == file:
+        return st.get_tensor(name) if whole else st.get_slice(name)
+    with safe_open(where, framework="pt") as other:
+        return other.get_tensor(name)
+
+
+def _unpacked(st, src: Source, sl, index: tuple) -> torch.Tensor:
+    """Rows `index` of a packed weight, dequantised to fp32: the values and their scales share
+    every dim but the last, so both take the index's leading part; the inputs are cut after."""
+    assert src.packed is not None
+    ndim = len(src.packed.shape)
+    lead = index[:-1] if len(index) == ndim else index
+    parts = {}
+    for role, name, where in src.packed.parts:
+        if role in ("scale", "biases"):
+            t = _sibling(st, src.file, name, where)
+            parts[role] = t[lead] if lead else t[:]
+        else:  # one fp32 value
+            parts[role] = _sibling(st, src.file, name, where, whole=True)
+    w = decode_packed(src.packed.kind, sl[lead] if lead else sl[:], parts, src.packed.bits)
+    return w[..., index[-1]] if len(index) == ndim else w
+
+
+def _pieces(src: Source, shape: tuple[int, ...], shards: dict[str, tuple[slice, ...]] | None):
+    """(read index, parameter, slot) of each piece this rank owns (every piece on one process)."""
+    if shards is None:
+        return ((p.index, p.param, p.slot) for p in src.pieces)
+    return _local_pieces(src, shape, shards)
 
 
 def _local_pieces(src: Source, shape: tuple[int, ...], shards: dict[str, tuple[slice, ...]]):
@@ -245,7 +322,12 @@ def stream_weights(
                     for src in items:
                         sl = st.get_slice(src.name)
                         scale = _read_scale(st, src) if src.scale else None
-                        if shards is None:
+                        if src.packed is not None:
+                            for index, param, slot in _pieces(src, src.packed.shape, shards):
+                                write_piece(
+                                    params, Piece(param, slot), _unpacked(st, src, sl, index), None, src.name
+                                )
+                        elif shards is None:
                             for p in src.pieces:
                                 t = sl[p.index] if p.index else sl[:]
                                 s = (scale[p.index] if p.index else scale[:]) if scale is not None else None
@@ -324,8 +406,9 @@ def load_model(
             f"load_format = {load_format!r} is not supported (expected one of {list(LOAD_FORMATS)})"
         )
     path = check_dir(path)
-    args = ModelArgs.from_file(path / "config.json")
     files = weight_files(path) if load_format == "auto" else []
+    scheme = read_scheme(path)
+    args = model_args(path, files, scheme)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     auto = (quant or "auto") == "auto"
@@ -341,7 +424,7 @@ def load_model(
     if load_format == "dummy":
         model = random_weights_(allocate(local, dev))
     else:
-        sources = plan(files, args, model)  # a bad checkpoint fails here, before anything is allocated
+        sources = plan(files, args, model, scheme)  # a bad checkpoint fails here, before allocation
         shards = None
         if parallel.world > 1:  # the full model's parameters (8-bit scales included) -> this rank's slice
             shards = {n: param_shard(n, tuple(p.shape), args, parallel) for n, p in model.named_parameters()}

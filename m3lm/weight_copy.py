@@ -1,14 +1,33 @@
 """Copy checkpoint tensor slices into parameters: 8-bit parameters take MXFP8 values and scales
 as stored (or quantise a float slice with the release's scheme), float parameters take the slice
-dequantised; NaN and Inf are refused in every encoding."""
+dequantised; 4-bit and MLX affine weights are dequantised (`decode_packed`); NaN and Inf are
+refused in every encoding."""
 
 from __future__ import annotations
 
 import torch
 
+from m3lm.checkpoint_quant import AFFINE, MXFP4, NVFP4
 from m3lm.errors import CheckpointError
+from m3lm.kernels.affine import dequant_affine
+from m3lm.kernels.fp4 import dequant_mxfp4, dequant_nvfp4
 from m3lm.kernels.fp8 import MX_BLOCK, dequant_mxfp8, mxfp8_invalid, quantize_mxfp8
 from m3lm.models.minimax_m3 import Piece
+
+
+def decode_packed(kind: str, values: torch.Tensor, parts: dict[str, torch.Tensor], bits: int) -> torch.Tensor:
+    """A 4-bit or MLX affine weight [..., O, In] in fp32 from its stored values and scale tensors."""
+    if kind == NVFP4:  # `input_scale` quantises activations (W4A4); a weight-only product needs none
+        return dequant_nvfp4(values, parts["scale"], parts["global"])
+    if kind == MXFP4:
+        return dequant_mxfp4(values, parts["scale"])
+    assert kind == AFFINE, kind
+    return dequant_affine(values, parts["scale"], parts["biases"], bits)
+
+
+def e8m0_bytes(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """E8M0 scales as raw exponent bytes (safetensors may type them F8_E8M0)."""
+    return scale.view(torch.uint8) if scale is not None and scale.dtype == torch.float8_e8m0fnu else scale
 
 
 def read_slice(sl, scale, index: tuple) -> torch.Tensor:
@@ -27,6 +46,7 @@ def write_piece(params: dict, p: Piece, t: torch.Tensor, scale: torch.Tensor | N
     """Copy one piece into its parameter: kept in 8 bits when the parameter is (quantised at load if
     the checkpoint is not), otherwise dequantised; NaN/Inf in any encoding is refused."""
     target = params[p.param] if p.slot is None else params[p.param][p.slot]
+    scale = e8m0_bytes(scale)
     if target.dtype == torch.float8_e4m3fn:
         if scale is None:
             check_finite(t, name)

@@ -7,15 +7,19 @@ import torch
 from m3lm.kernels.mx_block import MX_BLOCK as MX_BLOCK
 
 
+def e8m0_factor(scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 factor 2^(s - 127) of E8M0 exponents (uint8, or torch's float8_e8m0fnu); 255 encodes NaN."""
+    s = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+    factor = torch.exp2((s.to(torch.int32) - 127).float())
+    return torch.where(s == 255, torch.full_like(factor, float("nan")), factor)
+
+
 def dequant_mxfp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """W[..., o, i] = float(q[..., o, i]) * 2^(scale[..., o, i // 32] - 127); scale 255 encodes NaN.
 
     q [..., O, In] float8_e4m3fn, scale [..., O, In/32] uint8 (named `*_scale_inv`, but it multiplies).
     """
-    exp = scale.to(torch.int32) - 127  # [..., O, In/32]
-    factor = torch.exp2(exp.float())
-    factor = torch.where(scale == 255, torch.full_like(factor, float("nan")), factor)
-    w = q.float().unflatten(-1, (-1, MX_BLOCK)) * factor[..., None]  # [..., O, In/32, 32]
+    w = q.float().unflatten(-1, (-1, MX_BLOCK)) * e8m0_factor(scale)[..., None]  # [..., O, In/32, 32]
     return w.flatten(-2).to(dtype)
 
 

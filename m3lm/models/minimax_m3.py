@@ -392,12 +392,14 @@ PREFIXES = (
     ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
+SWITCH = (("gate", "w1"), ("up", "w3"), ("down", "w2"))  # mlx-lm's stacked experts, `switch_mlp`
 RENAMES = {
     "self_attn.indexer.q_proj.weight": "self_attn.index_q_proj.weight",
     "self_attn.indexer.k_proj.weight": "self_attn.index_k_proj.weight",
     "self_attn.indexer.q_norm.weight": "self_attn.index_q_norm.weight",
     "self_attn.indexer.k_norm.weight": "self_attn.index_k_norm.weight",
     "block_sparse_moe.gate.e_score_correction_bias": "block_sparse_moe.e_score_correction_bias",
+    **{f"block_sparse_moe.switch_mlp.{p}_proj.weight": f"block_sparse_moe.experts.{w}" for p, w in SWITCH},
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
@@ -414,9 +416,9 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Remapped:
+class Remapped:  # the pieces, and the source shape they expect (None: the target is unknown)
     pieces: tuple[Piece, ...]
-    shape: tuple[int, ...] | None  # the source shape the pieces expect; None when the target is unknown
+    shape: tuple[int, ...] | None
 
 
 def remap_key(
@@ -425,8 +427,8 @@ def remap_key(
     """Where checkpoint tensor `name` goes: None to skip it (vision, projector, MTP).
 
     Handles the release layout, the transformers re-save (fused gate_up, stacked experts, possibly
-    with the shared expert packed as entry E) and m3lm's own names (idempotent). `params` maps
-    parameter names to shapes; a name that reaches no parameter comes back with shape None.
+    with the shared expert packed as entry E), mlx-lm's and m3lm's own names (idempotent).
+    `params` maps parameter names to shapes; a name that reaches no parameter comes back with shape None.
     """
     if name.startswith(SKIP_PREFIXES):
         return None
@@ -457,10 +459,8 @@ def remap_key(
         return Remapped(halves, (2 * i, gate[1]))
     if moe and (e := _EXPERT.fullmatch(rest)):
         param = base + f"block_sparse_moe.experts.{e.group(2)}"
-        return Remapped(
-            (Piece(param, int(e.group(1))),), tuple(params[param][1:]) if param in params else None
-        )
-    if moe and _STACKED.fullmatch(rest) and base + rest in params:  # m3lm's own stacked names
+        return Remapped((Piece(param, int(e.group(1))),), params[param][1:] if param in params else None)
+    if moe and _STACKED.fullmatch(rest) and base + rest in params:  # stacked [E, O, In]: m3lm's, mlx-lm's
         shape = params[base + rest]
         return Remapped(tuple(Piece(base + rest, e, (e,)) for e in range(shape[0])), shape)
     if moe and rest in ("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj"):
