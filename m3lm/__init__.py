@@ -36,6 +36,7 @@ _HOMES = {
     "generate": "m3lm.generation",
     "session_engine": "m3lm.generation",
     "stream_generate": "m3lm.generation",
+    "LLM": "m3lm.llm",
     "load": "m3lm.loader",
     "load_model": "m3lm.loader",
     "read_generation_config": "m3lm.loader",
@@ -44,6 +45,7 @@ _HOMES = {
 __all__ = [
     "DEFAULT_DRAFTER",
     "DEFAULT_MODEL",
+    "LLM",
     "CheckpointError",
     "ConfigError",
     "EngineConfig",

@@ -48,6 +48,7 @@ from m3lm.server.protocol import (
 )
 from m3lm.text.reasoning import ReplyFormat
 from m3lm.text.schema_values import template_messages
+from m3lm.version import __version__
 
 log = logging.getLogger("m3lm.server")
 
@@ -80,7 +81,7 @@ def build_app(
     # /openapi.json describes the API; no /docs or /redoc pages (they load their assets from a CDN)
     app = FastAPI(
         title="m3lm",
-        version="0.1.0",
+        version=__version__,
         lifespan=lifespan,
         redirect_slashes=False,
         docs_url=None,
