@@ -124,6 +124,8 @@ class EngineLoop:
         self._stopped.set()
         if self._heart is not None:
             self._heart.join()
+        if self.engine.kv_events is not None:
+            self.engine.kv_events.close()
         self.inbox.close(0)
         self.outbox.close(0)
 
