@@ -4,18 +4,21 @@ cache reset, and its view matches the engine's own exactly; pages' hashes are ch
 SHA-256 chain computed here from the events' token ids."""
 
 import hashlib
+import json
 import time
 from array import array
 
 import msgspec
+import openai
 import pytest
 import zmq
 
 from m3lm.config import EngineConfig
 from m3lm.core import SamplingParams
 from m3lm.engine.engine import LLMEngine
-from tests.support.checkpoints import random_prompt
+from tests.support.checkpoints import random_prompt, write_chat_checkpoint
 from tests.support.paths import PATIENCE_S
+from tests.support.processes import start_serve, stop, wait_healthy
 
 PAGE = 4  # the tiny model's MSA block
 
@@ -83,6 +86,13 @@ class Subscriber:
                     self.apply(number, payload)
             else:
                 self.ask_replay()
+
+    def wait_for(self, hashes: set[int]) -> None:
+        """Take batches until the view holds `hashes` (from a process whose batch count is unknown)."""
+        deadline = time.monotonic() + PATIENCE_S
+        while not hashes <= self.view.keys():
+            assert time.monotonic() < deadline, "the pages were never stored"
+            self.catch_up(self.next)
 
     def chain_checks(self) -> None:
         """Each page's hash is the low 64 bits of SHA-256 over its parent's name and its tokens,
@@ -170,3 +180,29 @@ def test_no_events_are_recorded_unless_asked(tiny):
     run(engine, [random_prompt(12, seed=1)], "x")
     assert engine.kv_events is None and engine.blocks.cached()
     assert engine.blocks.take_events() == [] and engine.blocks._events is None
+
+
+def test_m3lm_serve_publishes_the_pages_a_request_fills(tmp_path):
+    """The flag as users pass it: the engine process publishes, a subscriber that joins first sees
+    the prompt's full pages under the names computed here."""
+    checkpoint = write_chat_checkpoint(tmp_path / "ckpt", seed=5)
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"ipc://{tmp_path}/events",
+        "replay_endpoint": f"ipc://{tmp_path}/replay",
+    }
+    proc, url = start_serve(checkpoint, "--served-model-name", "m", "--kv-events-config", json.dumps(events))
+    ctx = zmq.Context()
+    try:
+        wait_healthy(proc, url)
+        sub = Subscriber(ctx, events["endpoint"], events["replay_endpoint"], "")
+        prompt = random_prompt(9, seed=4)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        client.completions.create(model="m", prompt=prompt, max_tokens=2, extra_body={"ignore_eos": True})
+        first = hashlib.sha256(array("q", prompt[:PAGE]).tobytes()).digest()
+        second = hashlib.sha256(first + array("q", prompt[PAGE : 2 * PAGE]).tobytes()).digest()
+        sub.wait_for({int.from_bytes(n[-8:], "big") for n in (first, second)})
+        sub.chain_checks()
+    finally:
+        ctx.destroy(linger=0)
+        stop(proc)
