@@ -55,7 +55,11 @@ class KVEventsConfig:
                 raise ConfigError(f"kv_events_config: {key} must be a string")
         if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
             raise ConfigError("kv_events_config: replay_endpoint must be a string")
-        for key, least in (("buffer_steps", 1), ("max_queue_size", 1), ("hwm", 0)):
+        for key, least in (
+            ("buffer_steps", 1),
+            ("max_queue_size", 1),
+            ("hwm", 1),
+        ):  # ZeroMQ reads 0 as unbounded
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise ConfigError(f"kv_events_config: {key} = {v!r} must be an integer >= {least}")

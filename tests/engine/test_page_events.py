@@ -114,6 +114,7 @@ def test_settings_as_vllm_spells_them():
         ('{"enable_kv_cache_events": 1}', "true or false"),
         ('{"publisher": "kafka"}', "publisher"),
         ('{"buffer_steps": 0}', "buffer_steps"),
+        ('{"hwm": 0}', "hwm"),
         ('{"endpoint": 5557}', "endpoint"),
         ('{"topics": "kv"}', "unknown key 'topics'"),
         ("[1]", "JSON object"),
