@@ -140,11 +140,6 @@ class LLMEngine:
         steps.send(parallel, init)  # followers size theirs
         events = config.kv_events_config is not None and config.kv_events_config.enabled
         self.blocks = BlockManager(num_pages, page, config.prefix_caching, events)
-        self.kv_events = None  # the publisher of the prefix cache's events, when asked for
-        if events:
-            from m3lm.engine.kv_events import KVEventPublisher
-
-            self.kv_events = KVEventPublisher(config.kv_events_config, page)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         graphs = None
         if use_graphs:
@@ -167,6 +162,11 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()  # sequence ids
         self._request_ids = itertools.count()  # of requests added without one: req-0, req-1, ...
+        self.kv_events = None  # the publisher of the prefix cache's events, when asked for
+        if events:  # last: a failed start leaves no thread or bound address behind
+            from m3lm.engine.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(config.kv_events_config, page)
         log.info("%s", self.info.summary())
 
     def _load_drafter(self):

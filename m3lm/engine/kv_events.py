@@ -27,6 +27,7 @@ import msgspec
 import zmq
 
 from m3lm.cache.events import CacheCleared, PageEvent, PagesRemoved, PagesStored
+from m3lm.errors import ConfigError
 from m3lm.kv_events_config import KVEventsConfig
 
 log = logging.getLogger("m3lm.kv_events")
@@ -96,6 +97,9 @@ def binds(endpoint: str) -> bool:
 
 
 class KVEventPublisher:
+    """One engine's publisher: its sockets, its thread, the batches kept for replay (all bounded
+    by the settings)."""
+
     def __init__(self, config: KVEventsConfig, page_size: int):
         self.page_size, self.config = page_size, config
         self.dropped = 0  # batches the engine could not queue (a gap in the numbers)
@@ -106,12 +110,16 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        (self._pub.bind if binds(config.endpoint) else self._pub.connect)(config.endpoint)
         self._replay = None
-        if config.replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(config.replay_endpoint)
+        try:
+            (self._pub.bind if binds(config.endpoint) else self._pub.connect)(config.endpoint)
+            if config.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as e:
+            self._ctx.destroy(0)
+            raise ConfigError(f"kv_events_config: {e}") from None
         self._topic = config.topic.encode()
         self._thread = threading.Thread(target=self._run, name="m3lm-kv-events", daemon=True)
         self._thread.start()
@@ -129,9 +137,10 @@ class KVEventPublisher:
             self.dropped += 1
 
     def close(self) -> None:
-        """Send what is queued, then stop (the sockets close with the thread)."""
-        self._queue.put(None)
-        self._thread.join()
+        """Send what is queued, then stop (the sockets close with the thread); again: nothing."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
         self._ctx.term()
 
     def _run(self) -> None:

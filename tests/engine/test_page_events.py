@@ -122,3 +122,18 @@ def test_settings_as_vllm_spells_them():
     ]:
         with pytest.raises(ConfigError, match=says):
             KVEventsConfig.parse(bad)
+
+
+def test_an_address_the_publisher_cannot_take_is_a_config_error(tmp_path):
+    from m3lm.engine.kv_events import KVEventPublisher
+
+    config = KVEventsConfig(
+        True, endpoint=f"ipc://{tmp_path}/ok", replay_endpoint=f"ipc://{tmp_path}/no/such/dir"
+    )
+    with pytest.raises(ConfigError, match="kv_events_config: .*no/such/dir"):
+        KVEventPublisher(config, 4)
+    publisher = KVEventPublisher(KVEventsConfig(True, endpoint=f"ipc://{tmp_path}/ok"), 4)
+    publisher.publish([])  # nothing to send: no batch, no number
+    assert publisher.batches == 0
+    publisher.close()
+    publisher.close()
