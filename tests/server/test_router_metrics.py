@@ -33,7 +33,8 @@ class Gate:
             self.arrivals += 1
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.permits or self.opened)
-            self.permits -= not self.opened
+            if not self.opened:
+                self.permits -= 1
         return self.real()
 
     def held(self, after: int) -> bool:
@@ -54,7 +55,7 @@ class Gate:
 
 
 def scrape(url: str) -> dict:
-    """/metrics parsed: {name: value} for unlabelled-by-kind gauges, {name: labels} for infos."""
+    """/metrics parsed: {name: value} for the gauges, {name: labels} for cache_config_info."""
     text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     out = {}
     for family in text_string_to_metric_families(text):
