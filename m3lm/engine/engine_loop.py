@@ -41,13 +41,17 @@ def engine_info(engine: LLMEngine, warmup_s: float = 0.0) -> m.ReadyInfo:
         eos_ids=sorted(engine.eos_ids),
         kv_tokens=engine.info.pool_tokens,
         page_size=engine.blocks.page_size,
-        kv_dtype=engine.info.dtype,
-        index_dtype="float8_e4m3fn" if engine.config.index_cache_fp8 else engine.info.dtype,
+        kv_dtype=_dtype(engine.cache.k[0]),
+        index_dtype=next((_dtype(ik) for ik in engine.cache.ik.values()), "none"),  # none: no MSA layer
         prefix_caching=engine.config.prefix_caching,
         device=str(engine.device),
         warmup_s=warmup_s,
         summary=engine.info.summary(),
     )
+
+
+def _dtype(t) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def engine_stats(engine: LLMEngine) -> m.Stats:
