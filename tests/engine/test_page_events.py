@@ -2,6 +2,8 @@
 computed here; the settings' checks."""
 
 import hashlib
+import itertools
+import random
 from array import array
 
 import msgspec
@@ -137,3 +139,57 @@ def test_an_address_the_publisher_cannot_take_is_a_config_error(tmp_path):
     assert publisher.batches == 0
     publisher.close()
     publisher.close()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_events_replayed_are_the_cache_after_every_operation(seed):
+    """Random sequences over a small alphabet (so prefixes are shared), grown, freed, failed,
+    evicted and reset: the events, applied in order, name exactly the cached pages, each name
+    the SHA-256 chain of its own tokens."""
+    rng = random.Random(seed)
+    bm = BlockManager(num_pages=12, page_size=2, events=True)
+    view: dict[bytes, bytes | None] = {}
+    live: dict[int, tuple[list[int], bytes]] = {}  # seq -> (tokens, the root of its chain)
+    ids = itertools.count()
+    for _ in range(400):
+        roll = rng.random()
+        if roll < 0.4 and len(live) < 5:
+            seq, tokens, salt = next(ids), [rng.choice((1, 2, 3)) for _ in range(rng.randint(1, 9))], None
+            if rng.random() < 0.2:
+                salt = "tenant"
+            bm.match(seq, tokens, salt)
+            if bm.ensure(seq, len(tokens)):
+                bm.seal(seq, len(tokens), lambda s, e, t=tokens: t[s:e])
+                live[seq] = (tokens, hashlib.sha256(b"cache_salt\0tenant").digest() if salt else b"")
+            else:
+                bm.free(seq)
+        elif roll < 0.7 and live:
+            seq = rng.choice(list(live))
+            tokens, _ = live[seq]
+            tokens += [rng.choice((1, 2, 3)) for _ in range(rng.randint(1, 4))]
+            if bm.ensure(seq, len(tokens)):
+                bm.seal(seq, len(tokens), lambda s, e, t=tokens: t[s:e])
+            else:
+                bm.free(seq)
+                del live[seq]
+        elif roll < 0.95 and live:
+            seq = rng.choice(list(live))
+            bm.free(seq, keep=rng.random() < 0.8)
+            del live[seq]
+        else:
+            bm.reset()
+        for event in bm.take_events():
+            if isinstance(event, PagesStored):
+                parent = event.parent
+                for i, n in enumerate(event.names):
+                    assert n not in view
+                    tokens = event.token_ids[i * 2 : (i + 1) * 2]
+                    assert n == name(parent or b"", tokens)
+                    view[n], parent = parent, n
+            elif isinstance(event, PagesRemoved):
+                for n in event.names:
+                    del view[n]
+            else:
+                view.clear()
+        assert view.keys() == bm.cached()
+        bm.check()
