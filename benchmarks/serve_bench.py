@@ -448,6 +448,11 @@ def comparisons(a: argparse.Namespace, levels: list[int], rows: list[dict[str, s
 def commit(tree: Path) -> str:
     """The tree's git commit (with "+ changes" when its files differ from it), if it is a checkout."""
     try:
+        top = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "--show-toplevel"], capture_output=True, text=True
+        )
+        if Path(top.stdout.strip() or "/nonexistent").resolve() != Path(tree).resolve():
+            return "not a git checkout"  # a folder inside another checkout is not that checkout
         head = subprocess.run(
             ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         )
