@@ -38,6 +38,11 @@ of each run and the ratios of the best rounds (on a shared machine, the runs lea
 other work) and of the rounds' medians. A constrained request may end when its grammar does (its token count is
 then below `--output-len`, and counts as it is); TPOT is per token either way.
 
+`--baseline DIR` compares this build with another source tree, `--with-server-args ARGS` this
+build without and with some `m3lm serve` arguments (what a setting costs, e.g. KV events):
+`--rounds` fresh servers of each, alternated, and the ratios of their throughput and median
+latencies, per round's median and per best round.
+
 `--out` writes a dated section (command, device, versions, figures) to the file.
 """
 
@@ -443,6 +448,11 @@ def comparisons(a: argparse.Namespace, levels: list[int], rows: list[dict[str, s
 def commit(tree: Path) -> str:
     """The tree's git commit (with "+ changes" when its files differ from it), if it is a checkout."""
     try:
+        top = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "--show-toplevel"], capture_output=True, text=True
+        )
+        if Path(top.stdout.strip() or "/nonexistent").resolve() != Path(tree).resolve():
+            return "not a git checkout"  # a folder inside another checkout is not that checkout
         head = subprocess.run(
             ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         )
@@ -458,17 +468,27 @@ def commit(tree: Path) -> str:
     return f"commit {head.stdout.strip()}" + (" + changes" if dirty.stdout.strip() else "")
 
 
+def ab_variants(a: argparse.Namespace) -> list[tuple[str, Path, list[str]]]:
+    """The two servers an A/B run compares, the reference first: (name, source tree, serve args)."""
+    args = shlex.split(a.server_args)
+    if a.baseline:
+        return [("baseline", a.baseline, args), ("this build", REPO, args)]
+    return [("without", REPO, args), ("with", REPO, [*args, *shlex.split(a.with_server_args)])]
+
+
 def builds_ab(a: argparse.Namespace, deadline: float) -> str:
-    """Each round, a fresh server of the baseline tree and one of this tree (the order alternating
-    from round to round), every concurrency level on each; the ratios of this build to the baseline."""
-    runs: dict[str, list[list[dict[str, str]]]] = {"baseline": [], "this build": []}
+    """Each round, a fresh server of each variant (the baseline tree and this one, or this one
+    without and with `--with-server-args`; the order alternating from round to round), every
+    concurrency level on each; the ratios of the second to the first."""
+    variants = ab_variants(a)
+    (ref, _, _), (new, _, _) = variants
+    runs: dict[str, list[list[dict[str, str]]]] = {ref: [], new: []}
     for i in range(a.rounds):
-        order = [("baseline", a.baseline), ("this build", REPO)]
-        for name, repo in order if i % 2 == 0 else order[::-1]:
-            server = Server(a.model, a.api_key, shlex.split(a.server_args), repo=repo)
+        for name, repo, args in variants if i % 2 == 0 else variants[::-1]:
+            server = Server(a.model, a.api_key, args, repo=repo)
             try:
                 server.wait_healthy(deadline)
-                print(f"round {i + 1}: {name} ({repo})", flush=True)
+                print(f"round {i + 1}: {name} ({repo}, {shlex.join(args)})", flush=True)
                 runs[name].append(asyncio.run(bench(a, server.url, deadline)))
             finally:
                 server.stop()
@@ -479,13 +499,13 @@ def builds_ab(a: argparse.Namespace, deadline: float) -> str:
         return float(row[f"{key} mean / median / p99 (ms)"].split(" / ")[1])
 
     lines = [
-        "| concurrency | figure | baseline (each round) | this build (each round) | this / baseline, medians | best rounds |",
+        f"| concurrency | figure | {ref} (each round) | {new} (each round) | {new} / {ref}, medians | best rounds |",
         "|---|---|---|---|---:|---:|",
     ]
     for j, c in enumerate(a.concurrency):
         for key, higher in (("tok/s", True), ("TTFT", False), ("TPOT", False)):
-            base = [figure(r[j], key) for r in runs["baseline"]]
-            this = [figure(r[j], key) for r in runs["this build"]]
+            base = [figure(r[j], key) for r in runs[ref]]
+            this = [figure(r[j], key) for r in runs[new]]
             best = (max if higher else min)(this) / (max if higher else min)(base)
             mid = percentile(this, 50) / percentile(base, 50)
             label = "output tok/s" if key == "tok/s" else f"median {key} (ms)"
@@ -603,7 +623,10 @@ def main() -> None:
         help="also run each level with this response_format: json_object, json_schema or a JSON object",
     )
     ap.add_argument(
-        "--rounds", type=int, default=2, help="with --response-format or --baseline: runs of each per level"
+        "--rounds",
+        type=int,
+        default=2,
+        help="with --response-format, --baseline or --with-server-args: runs of each per level",
     )
     ap.add_argument(
         "--baseline",
@@ -611,6 +634,12 @@ def main() -> None:
         metavar="DIR",
         help="another source tree (an earlier build checked out): --rounds fresh servers of each, "
         "alternated, and the ratios of this build to it (--model only)",
+    )
+    ap.add_argument(
+        "--with-server-args",
+        metavar="ARGS",
+        help="this build without and with these extra `m3lm serve` arguments: --rounds fresh servers "
+        "of each, alternated, and the ratios of with to without (--model only)",
     )
     ap.add_argument("--out", type=Path, help="write a dated Markdown section to this file (its latest run)")
     a = ap.parse_args()
@@ -627,25 +656,41 @@ def main() -> None:
     command = shlex.join([*env, "python3", *argv])  # the API key is not written down
     deadline = time.monotonic() + a.timeout
     load = os.getloadavg()[0]
-    if a.baseline:
-        if not a.model or a.response_format or a.offline or a.kernel_decode:
-            ap.error("--baseline needs --model, without --response-format, --offline or --kernel-decode")
+    if a.baseline or a.with_server_args:
+        if (
+            not a.model
+            or a.response_format
+            or a.offline
+            or a.kernel_decode
+            or (a.baseline and a.with_server_args)
+        ):
+            ap.error(
+                "--baseline or --with-server-args (one of them) needs --model, without --response-format, "
+                "--offline or --kernel-decode"
+            )
         result = builds_ab(a, deadline)
         print(result)
         if a.out:
+            serve = ["python", "-m", "m3lm", "serve", "--model", a.model]
+            servers = (
+                f"`{shlex.join([*serve, *shlex.split(a.server_args)])}` from the baseline tree {a.baseline} "
+                f"({commit(a.baseline)}) and from this one ({commit(REPO)})"
+                if a.baseline
+                else f"`{shlex.join([*serve, *shlex.split(a.server_args)])}` without and with "
+                f"`{a.with_server_args}`, from this tree ({commit(REPO)})"
+            )
             details = [
-                f"Servers: `{shlex.join(['python', '-m', 'm3lm', 'serve', '--model', a.model, *shlex.split(a.server_args)])}` "
-                f"from the baseline tree {a.baseline} ({commit(a.baseline)}) and from this one ({commit(REPO)}), "
-                f"{a.rounds} fresh processes each, alternated; endpoint "
+                f"Servers: {servers}, {a.rounds} fresh processes each, alternated; endpoint "
                 f"/v1/{a.endpoint.replace('chat', 'chat/completions')}, {a.num_requests} requests of "
                 f"{a.input_len} prompt tokens -> {a.output_len} output tokens (ignore_eos, temperature "
                 f"{a.temperature}), streamed",
                 f"Device: {machine()}; Python {platform.python_version()}, torch {version('torch')} "
                 f"(client and server on the same machine; load average {load:.2f} at the start)",
             ]
-            write_section(
-                a.out, "Online serving: this build against a baseline build", command, details, result
+            title = (
+                "this build against a baseline build" if a.baseline else "without and with server arguments"
             )
+            write_section(a.out, f"Online serving: {title}", command, details, result)
         return
     server = None
     if a.model:

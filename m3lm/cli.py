@@ -373,6 +373,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         msa_dense_window=args.msa_dense_window,
         prefix_caching=args.prefix_caching,
         speculative_config=args.speculative_config,
+        kv_events_config=args.kv_events_config,
         threads=args.threads,
         grace_s=args.drain_timeout,
         web_ui=args.web_ui,

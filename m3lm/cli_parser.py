@@ -135,6 +135,16 @@ def _speculative_config(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _kv_events_config(text: str):
+    from m3lm.errors import ConfigError
+    from m3lm.kv_events_config import KVEventsConfig
+
+    try:
+        return KVEventsConfig.parse(text)
+    except (ConfigError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _speculative(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative-config",
@@ -403,6 +413,15 @@ def build_parser(commands) -> argparse.ArgumentParser:
     )
     _dense_window(srv)
     _speculative(srv)
+    srv.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="publish the prefix cache's pages stored and removed on ZeroMQ, as vLLM does, for "
+        'prefix-aware routers: {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"} (default: off)',
+    )
     srv.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from m3lm.errors import ConfigError
+from m3lm.kv_events_config import KVEventsConfig
 from m3lm.speculative.config import SpeculativeConfig
 
 SESSION_CONTEXT = 32768  # `session_engine`'s default context, in tokens (`m3lm chat`'s)
@@ -565,6 +566,8 @@ class EngineConfig:
     warmup: bool = True  # compile kernels and capture graphs before serving
     # drafts verified per step (`SpeculativeConfig`; a dict or its JSON text is read into one)
     speculative_config: SpeculativeConfig | None = None
+    # KV-cache events for routers (`KVEventsConfig`, vLLM's spelling; a dict or its JSON text)
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_tokens"):
@@ -582,6 +585,7 @@ class EngineConfig:
         if self.msa_dense_window is not None and not self.msa_dense_window > 0:
             raise ConfigError(f"msa_dense_window = {self.msa_dense_window!r} must be > 0")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         object.__setattr__(self, "cpu_compile", _cpu_compile_mode(self.cpu_compile))
 
 

@@ -14,7 +14,8 @@ allocation takes unnamed free pages first, then the least recently released name
 sequence's tail before its head. A sequence admitted to compute pages that no cache holds yet
 promises their names (`promise`); a prompt whose next page is promised waits for it (`awaits`)
 rather than compute it a second time (n choices of one prompt, or requests that arrive together
-with a shared system prompt).
+with a shared system prompt). With `events` the manager records each page named, each name
+forgotten and each reset (`cache.events`), for the engine to publish.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+from m3lm.cache.events import CacheCleared, PageEvent, PagesRemoved, PagesStored, record
+
 
 def page_key(parent: bytes, tokens: list[int]) -> bytes:
     """The name of a full page: SHA-256 of the previous page's name and this page's token ids."""
@@ -31,7 +34,7 @@ def page_key(parent: bytes, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True, events: bool = False):
         assert num_pages > 0 and page_size > 0
         self.num_pages, self.page_size = num_pages, page_size
         self.prefix_caching = prefix_caching
@@ -45,6 +48,7 @@ class BlockManager:
         self._promised: dict[bytes, int] = {}  # name -> the sequence about to compute that page
         self._promises: dict[int, list[bytes]] = {}  # seq -> the names it promised
         self._roots: dict[int, bytes] = {}  # seq -> the name its chain starts from (its cache salt)
+        self._events: list[PageEvent] | None = [] if events else None  # None: nothing recorded
 
     @property
     def num_free(self) -> int:
@@ -149,14 +153,18 @@ class BlockManager:
         table = self._tables.get(seq_id, [])
         while (len(chain) + 1) * self.page_size <= cached:
             start = len(chain) * self.page_size
-            name = page_key(
-                chain[-1] if chain else self._roots.get(seq_id, b""), tokens(start, start + self.page_size)
+            parent, ids = (
+                chain[-1] if chain else self._roots.get(seq_id, b""),
+                tokens(start, start + self.page_size),
             )
+            name = page_key(parent, ids)
             chain.append(name)
             self._promised.pop(name, None)
             page = table[len(chain) - 1]
             if name not in self._pages:  # else another sequence's page holds these contents already
                 self._pages[name], self._names[page] = page, name
+                if self._events is not None:
+                    record(self._events, PagesStored([name], parent or None, list(ids)))
 
     def free(self, seq_id: int, keep: bool = True) -> None:
         """Release every page of the sequence at once (finish, abort or preemption): named pages
@@ -173,7 +181,7 @@ class BlockManager:
                 continue
             del self._refs[page]
             if page in self._names and not keep:
-                del self._pages[self._names.pop(page)]
+                self._forget(page)
             if page in self._names:
                 self._idle[page] = None
             else:
@@ -195,8 +203,36 @@ class BlockManager:
         if self._free:
             return self._free.popleft()
         page, _ = self._idle.popitem(last=False)  # the least recently released named page
-        del self._pages[self._names.pop(page)]
+        self._forget(page)
         return page
+
+    def _forget(self, page: int) -> None:
+        name = self._names.pop(page)
+        del self._pages[name]
+        if self._events is not None:
+            record(self._events, PagesRemoved([name]))
+
+    def reset(self) -> None:
+        """Forget every page's name: the prefix cache starts empty. Pages that sequences hold stay
+        theirs (their contents are still right for them), and the pages they fill from now on are
+        named as usual."""
+        self._free.extend(self._idle)
+        self._idle.clear()
+        self._names.clear()
+        self._pages.clear()
+        if self._events is not None:
+            self._events.append(CacheCleared())
+
+    def take_events(self) -> list[PageEvent]:
+        """What happened to the cache since the last call, in order (empty unless recording)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def cached(self) -> frozenset[bytes]:
+        """The names of the pages whose contents a later prefix can reuse."""
+        return frozenset(self._pages)
 
     def check(self) -> None:
         """Invariants: every page is free, idle or held (its count = the tables that hold it), names

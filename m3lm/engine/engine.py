@@ -138,7 +138,8 @@ class LLMEngine:
         max_pages = -(-self.max_model_len // page)  # a sequence's pages at most
         init = steps.Init(num_pages + 1, config.msa_dense_window, config.index_cache_fp8, max_pages)
         steps.send(parallel, init)  # followers size theirs
-        self.blocks = BlockManager(num_pages, page, config.prefix_caching)
+        events = config.kv_events_config is not None and config.kv_events_config.enabled
+        self.blocks = BlockManager(num_pages, page, config.prefix_caching, events)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         graphs = None
         if use_graphs:
@@ -161,6 +162,11 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()  # sequence ids
         self._request_ids = itertools.count()  # of requests added without one: req-0, req-1, ...
+        self.kv_events = None  # the publisher of the prefix cache's events, when asked for
+        if events:  # last: a failed start leaves no thread or bound address behind
+            from m3lm.engine.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(config.kv_events_config, page)
         log.info("%s", self.info.summary())
 
     def _load_drafter(self):
@@ -345,7 +351,21 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page's name (running requests keep their pages)."""
+        self.blocks.reset()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.blocks.take_events())
+
     def step(self) -> list[StepOutput]:
+        results = self._step()
+        self._publish_kv_events()
+        return results
+
+    def _step(self) -> list[StepOutput]:
         started = self._start_grammars() if self._compiling else []
         plan = self.scheduler.schedule()
         if not plan:

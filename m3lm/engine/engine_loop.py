@@ -40,10 +40,18 @@ def engine_info(engine: LLMEngine, warmup_s: float = 0.0) -> m.ReadyInfo:
         generation_config=dict(engine.generation_config or {}),
         eos_ids=sorted(engine.eos_ids),
         kv_tokens=engine.info.pool_tokens,
+        page_size=engine.blocks.page_size,
+        kv_dtype=_dtype(engine.cache.k[0]),
+        index_dtype=next((_dtype(ik) for ik in engine.cache.ik.values()), "none"),  # none: no MSA layer
+        prefix_caching=engine.config.prefix_caching,
         device=str(engine.device),
         warmup_s=warmup_s,
         summary=engine.info.summary(),
     )
+
+
+def _dtype(t) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def engine_stats(engine: LLMEngine) -> m.Stats:
@@ -120,6 +128,8 @@ class EngineLoop:
         self._stopped.set()
         if self._heart is not None:
             self._heart.join()
+        if self.engine.kv_events is not None:
+            self.engine.kv_events.close()
         self.inbox.close(0)
         self.outbox.close(0)
 

@@ -38,6 +38,10 @@ class ReadyInfo(msgspec.Struct, frozen=True):
     generation_config: dict
     eos_ids: list[int]
     kv_tokens: int  # the KV pool's capacity in positions
+    page_size: int  # positions a page holds (the MSA block size)
+    kv_dtype: str  # K and V as stored
+    index_dtype: str  # the MSA index keys as stored
+    prefix_caching: bool
     device: str = "cpu"
     warmup_s: float = 0.0
     summary: str = ""  # the engine's startup line: device, dtype, weights, pool

@@ -179,7 +179,7 @@ def build_app(
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=common)
     async def prometheus():
-        return PlainTextResponse(metrics.render())
+        return PlainTextResponse(metrics.render(engine.info))
 
     @app.post("/v1/chat/completions", responses=generation)
     async def chat(req: ChatCompletionRequest, request: Request):

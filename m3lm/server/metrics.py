@@ -2,27 +2,72 @@
 
 One registry per server (tests run several in one process). The engine's outputs update them
 as they arrive (`observe_stats`, `observe_output`); the app counts admission rejections.
+The load gauges and the cache's settings, which routers read to place requests (llm-d's and the
+Gateway API inference extension's scorers, among others), are also exported under vLLM's own
+`vllm:` names: one value each, two names (`Load`).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily
 
 from m3lm.core import StepOutput
-from m3lm.engine.messages import Stats
+from m3lm.engine.messages import ReadyInfo, Stats
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+# the load gauges, each exported as m3lm:NAME and vllm:NAME (the routers' spelling)
+LOAD = {
+    "num_requests_running": "Requests in the running batch",
+    "num_requests_waiting": "Requests waiting to run",
+    "kv_cache_usage_perc": "Fraction of KV-cache pages in use (1 = full)",
+}
+PREFIXES = ("m3lm", "vllm")
+
+
+def cache_config_labels(info: ReadyInfo) -> dict[str, str]:
+    """`cache_config_info`'s labels, as vLLM names them: a block is one page of `page_size`
+    positions (K, V and MSA index keys together)."""
+    return {
+        "block_size": str(info.page_size),
+        "num_gpu_blocks": str(info.kv_tokens // max(info.page_size, 1)),
+        "cache_dtype": info.kv_dtype,
+        "index_cache_dtype": info.index_dtype,
+        "enable_prefix_caching": str(info.prefix_caching),
+        "prefix_caching_hash_algo": "sha256",
+    }
+
+
+class Load:
+    """A collector of the load gauges and the cache's settings under both prefixes (values set
+    from any thread; each is read whole when scraped)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.values = dict.fromkeys(LOAD, 0.0)
+        self.cache_config: dict[str, str] | None = None  # known once the engine is ready
+
+    def collect(self):
+        for prefix in PREFIXES:
+            for key, doc in LOAD.items():
+                g = GaugeMetricFamily(f"{prefix}:{key}", doc, labels=["model_name"])
+                g.add_metric([self.model_name], self.values[key])
+                yield g
+            if (labels := self.cache_config) is not None:
+                g = GaugeMetricFamily(
+                    f"{prefix}:cache_config_info", "The KV cache's settings (value 1)", labels=list(labels)
+                )
+                g.add_metric(list(labels.values()), 1.0)
+                yield g
 
 
 class Metrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
-        self.running = Gauge("m3lm:num_requests_running", "Requests in the running batch", labels, registry=r)
-        self.waiting = Gauge("m3lm:num_requests_waiting", "Requests waiting to run", labels, registry=r)
-        self.kv_usage = Gauge(
-            "m3lm:kv_cache_usage_perc", "Fraction of KV-cache pages in use", labels, registry=r
-        )
+        self.load = Load(model_name)
+        r.register(self.load)
         self.prompt_tokens = Counter("m3lm:prompt_tokens", "Prefilled prompt tokens", labels, registry=r)
         self.generation_tokens = Counter("m3lm:generation_tokens", "Generated tokens", labels, registry=r)
         self.prefix_queries = Counter(
@@ -76,9 +121,11 @@ class Metrics:
     def observe_stats(self, stats: Stats) -> None:
         """The gauges and counters the engine reports after a step (any thread)."""
         m = self.name
-        self.running.labels(m).set(stats.running)
-        self.waiting.labels(m).set(stats.waiting)
-        self.kv_usage.labels(m).set(stats.kv_used / max(stats.kv_pages, 1))
+        self.load.values.update(
+            num_requests_running=stats.running,
+            num_requests_waiting=stats.waiting,
+            kv_cache_usage_perc=stats.kv_used / max(stats.kv_pages, 1),
+        )
         prefix = (stats.prompt_tokens, stats.cached_tokens)
         self.prefix_queries.labels(m).inc(max(prefix[0] - self._prefix[0], 0))
         self.prefix_hits.labels(m).inc(max(prefix[1] - self._prefix[1], 0))
@@ -127,5 +174,8 @@ class Metrics:
         """A request's reply ended at `now` (the engine finished it, or a stop string did)."""
         self.e2e.labels(self.name).observe(now - stream.arrival)
 
-    def render(self) -> bytes:
+    def render(self, info: ReadyInfo | None = None) -> bytes:
+        """The exposition text; `info` (the engine's, once ready) gives the cache's settings."""
+        if info is not None and self.load.cache_config is None:
+            self.load.cache_config = cache_config_labels(info)
         return generate_latest(self.registry)
