@@ -1,7 +1,9 @@
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
+from collections import Counter
 
 import pytest
 import torch
@@ -92,3 +94,15 @@ def pytest_sessionfinish(session):
     interpreter_run.stop()
     if _CACHE is not None:
         shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Skips counted by reason, one line each: which tests a machine without a GPU or the
+    golden fixtures left out, without a line per test."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if isinstance(r.longrepr, tuple)]
+    if not skipped:
+        return
+    reasons = Counter(re.sub(r"^Skipped: ", "", r.longrepr[2]) for r in skipped)
+    terminalreporter.section(f"{len(skipped)} skipped, by reason", sep="-")
+    for reason, n in reasons.most_common():
+        terminalreporter.line(f"{n:5d}  {reason}")
