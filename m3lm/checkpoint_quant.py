@@ -12,7 +12,6 @@ it is, and `check` that the two agree and every scale has its shape. Pure Python
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from m3lm.errors import CheckpointError, ConfigError
+from m3lm.model_dir import json_object
 
 PLAIN, MXFP8, NVFP4, MXFP4, AFFINE = "plain", "MXFP8", "NVFP4", "MXFP4", "MLX affine"
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # what MLX packs
@@ -27,6 +27,7 @@ AFFINE_GROUPS = (32, 64, 128)
 FLOATS = ("BF16", "F16", "F32")
 E8M0 = ("U8", "F8_E8M0")  # E8M0 exponents: raw bytes, or safetensors' own dtype
 MODELOPT_ALGOS = {"NVFP4": NVFP4, "W4A16_NVFP4": NVFP4, "MXFP8": MXFP8}
+QUANT_METHODS = ("mxfp8", "modelopt", "compressed-tensors")  # quantization_config's families
 CT_FORMATS = ("mxfp4-pack-quantized", "mxfp8-quantized", "float-quantized", "mixed-precision")
 KV_SCALES = (
     ".k_scale",
@@ -131,14 +132,36 @@ def read_scheme(path: Path) -> QuantScheme:
     )
 
 
+def quant_family(config: dict[str, Any], text: dict[str, Any]) -> str | None:
+    """The scheme's family: "mlx" for MLX's `quantization` block, else `quantization_config`'s
+    `quant_method` (`text`: the text model's part of config.json, which may hold it); `read_scheme`
+    reads the scheme's details when weights load."""
+    if config.get("quantization") is not None:
+        return "mlx"
+    qc = config.get("quantization_config") or text.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ConfigError(
+            f"config.json: 'quantization_config' = {qc!r} must be an object such as "
+            '{"quant_method": "mxfp8", "weight_block_size": [1, 32]}'
+        )
+    method = qc.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise ConfigError(
+            f"config.json: 'quantization_config.quant_method' = {method!r} is not supported "
+            f"(expected one of {list(QUANT_METHODS)}, or MLX's 'quantization' block)"
+        )
+    block = qc.get("weight_block_size", [1, 32])
+    if method == "mxfp8" and block != [1, 32]:
+        raise ConfigError(
+            f"config.json: 'quantization_config.weight_block_size' = {block!r} is not supported (expected [1, 32])"
+        )
+    return method
+
+
 def _json(f: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(f.read_text())
-    except (OSError, ValueError, RecursionError) as e:
-        raise ConfigError(f"{f}: not valid JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{f}: must hold a JSON object")
-    return data
+    return json_object(f, ConfigError)
 
 
 def _names(value: Any, where: str) -> list[str]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from m3lm.checkpoint_quant import quant_family
 from m3lm.errors import ConfigError
 from m3lm.kv_events_config import KVEventsConfig
 from m3lm.speculative.config import SpeculativeConfig
@@ -24,7 +25,6 @@ SESSION_CONTEXT = 32768  # `session_engine`'s default context, in tokens (`m3lm 
 
 TOP_MODEL_TYPES = ("minimax_m3_vl", "minimax_m3", "minimax_m3_vl_text")
 TEXT_MODEL_TYPES = ("minimax_m3", "minimax_m3_vl_text")
-QUANT_METHODS = ("mxfp8", "modelopt", "compressed-tensors")
 _MISSING = object()
 # Generous upper bounds on sizes (the release: vocab 200064, hidden 6144, 60 layers, 64 heads of
 # 128, width 12288, 128 experts, blocks of 128, 1M positions), so that a typo is refused before
@@ -216,33 +216,6 @@ def _text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return text, "text_config."
 
 
-def _quant_method(config: dict[str, Any], text: dict[str, Any]) -> str | None:
-    """The scheme's family: "mlx" for MLX's `quantization` block, else `quantization_config`'s
-    `quant_method`. Each scheme's details are read by `m3lm.checkpoint_quant` when weights load."""
-    if config.get("quantization") is not None:
-        return "mlx"
-    qc = config.get("quantization_config") or text.get("quantization_config")
-    if qc is None:
-        return None
-    if not isinstance(qc, dict):
-        raise ConfigError(
-            f"config.json: 'quantization_config' = {qc!r} must be an object such as "
-            '{"quant_method": "mxfp8", "weight_block_size": [1, 32]}'
-        )
-    method = qc.get("quant_method")
-    if method not in QUANT_METHODS:
-        raise ConfigError(
-            f"config.json: 'quantization_config.quant_method' = {method!r} is not supported "
-            f"(expected one of {list(QUANT_METHODS)}, or MLX's 'quantization' block)"
-        )
-    block = qc.get("weight_block_size", [1, 32])
-    if method == "mxfp8" and block != [1, 32]:
-        raise ConfigError(
-            f"config.json: 'quantization_config.weight_block_size' = {block!r} is not supported (expected [1, 32])"
-        )
-    return method
-
-
 def _rope(r: _Reader, head_dim: int) -> tuple[float, int]:
     """(theta, rotary_dim) from `rope_parameters` or the flat release keys."""
     params = r.raw("rope_parameters", None)
@@ -411,7 +384,7 @@ def parse_config(config: dict[str, Any]) -> ModelArgs:
         index_topk_blocks=s["topk"],
         index_local_blocks=s["local"],
         index_init_blocks=s["init"],
-        quant_method=_quant_method(config, text),
+        quant_method=quant_family(config, text),
     )
 
 

@@ -3,10 +3,10 @@ themselves: `m3lm.cache.events`; their publisher: `m3lm.engine.kv_events`)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from m3lm.errors import ConfigError
+from m3lm.json_settings import json_settings
 
 KV_EVENTS_KEYS = (
     "enable_kv_cache_events",
@@ -73,16 +73,4 @@ class KVEventsConfig:
         """From a KVEventsConfig, a dict or its JSON text (the command line's form); None stays None."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"kv_events_config: not JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
-        unknown = sorted(set(value) - set(KV_EVENTS_KEYS))
-        if unknown:
-            raise ConfigError(
-                f"kv_events_config: unknown key {unknown[0]!r} (known: {', '.join(KV_EVENTS_KEYS)})"
-            )
-        return cls(**value)
+        return cls(**json_settings(value, "kv_events_config", KV_EVENTS_KEYS))

@@ -32,7 +32,7 @@ from m3lm.distributed.shard import localize, mxfp8_split_errors, param_shard
 from m3lm.errors import CheckpointError
 from m3lm.kernels.fp8 import quantize_mxfp8
 from m3lm.layers.linear import weight_bytes
-from m3lm.model_dir import check_dir, check_inside, inside
+from m3lm.model_dir import check_dir, check_inside, inside, json_object
 from m3lm.models.minimax_m3 import MiniMaxM3, Piece, release_name, remap_key
 from m3lm.weight_copy import decode_packed, write_piece, write_slice
 
@@ -480,10 +480,4 @@ def read_generation_config(path: Path) -> dict:
     if not f.is_file():
         return {}
     check_inside(Path(path), f)
-    try:
-        data = json.loads(f.read_text())
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{f}: not valid JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{f}: must hold a JSON object")
-    return data
+    return json_object(f)

@@ -6,10 +6,12 @@ index's file names) may make us read files elsewhere.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
-from m3lm.errors import CheckpointError
+from m3lm.errors import CheckpointError, M3lmError
 
 LOCAL_ONLY = (
     "m3lm reads a local checkpoint directory (config.json, safetensors, tokenizer) and never downloads"
@@ -47,3 +49,14 @@ def inside(folder: Path, f: Path) -> bool:
 def check_inside(folder: Path, f: Path) -> None:
     if not inside(folder, f):
         raise CheckpointError(f"{f} leads outside the model folder (to {f.resolve()})")
+
+
+def json_object(f: Path, error: type[M3lmError] = CheckpointError) -> dict[str, Any]:
+    """A checkpoint file holding one JSON object; `error` (one line naming the file) otherwise."""
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise error(f"{f}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{f}: must hold a JSON object")
+    return data

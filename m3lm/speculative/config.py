@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from m3lm.errors import ConfigError
+from m3lm.json_settings import json_settings
 
 SPEC_METHODS = ("ngram", "eagle3")
 SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
@@ -60,18 +60,7 @@ class SpeculativeConfig:
         """From a SpeculativeConfig, a dict or its JSON text (the command line's form); None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"speculative_config: not JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        unknown = sorted(set(value) - set(SPEC_KEYS))
-        if unknown:
-            raise ConfigError(
-                f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(SPEC_KEYS)})"
-            )
+        value = json_settings(value, "speculative_config", SPEC_KEYS)
         if "method" not in value:
             raise ConfigError(f'speculative_config needs "method" ({" or ".join(SPEC_METHODS)})')
         return cls(**value)
