@@ -139,8 +139,10 @@ def chat_rules(
     answer = answer_format(req.response_format, req.structured_outputs)
     rules = output_rules(answer, tools, req.tool_choice, plan, req.parallel_tool_calls, fmt)
     budget = req.thinking_token_budget
-    if rules is not None and budget is None:  # forced output must arrive: reasoning ends in time
-        limit = req.max_completion_tokens or req.max_tokens
+    limit = req.max_completion_tokens or req.max_tokens
+    # forced output must arrive: reasoning ends in time, and a budget (the request's or its
+    # effort's) that would take every token leaves the answer none
+    if rules is not None and (budget is None or (limit is not None and budget >= limit)):
         budget = (
             FORCED_REASONING_BUDGET if limit is None else min(FORCED_REASONING_BUDGET, max(1, limit // 4))
         )

@@ -492,6 +492,21 @@ def test_forced_output_arrives_after_reasoning_without_a_budget(client, mode):
         assert r.choices[0].message.content in ("yes", "no") and r.choices[0].finish_reason == "stop"
 
 
+def test_a_reasoning_budget_past_max_tokens_still_leaves_the_forced_call_room(client):
+    """An effort's budget (low: 512 tokens) that would take every token of `max_tokens`: the
+    grammar's default budget applies instead, and the forced call follows."""
+    tools = tools_for(random.Random(5), strict=None)
+    limit = 2 * block_bound(tools)
+    assert limit <= 512
+    for seed in range(2):
+        content, reasoning, calls, finish = collect(
+            client, False, model=NAME, messages=MSG, temperature=1, seed=seed, tools=tools,
+            tool_choice="required", parallel_tool_calls=False, max_tokens=limit, reasoning_effort="low",
+        )  # fmt: skip
+        assert finish == "tool_calls" and len(calls) == 1, (reasoning, content, calls, finish)
+        check_calls(tools, calls, None)
+
+
 def test_parallel_calls_and_strict_tools_under_auto(client):
     """Parallel calls under "required", and strict tools under "auto" (the reply may be text; the
     test raises the namespace token's logit so the model opens a block, and the block closer's so
