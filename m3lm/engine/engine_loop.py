@@ -128,10 +128,12 @@ class EngineLoop:
         self._stopped.set()
         if self._heart is not None:
             self._heart.join()
-        if self.engine.kv_events is not None:
-            self.engine.kv_events.close()
-        self.inbox.close(0)
-        self.outbox.close(0)
+        try:
+            if self.engine.kv_events is not None:
+                self.engine.kv_events.close()
+        finally:  # sockets left open would hang their context's end
+            self.inbox.close(0)
+            self.outbox.close(0)
 
     def _watch(self) -> None:
         """The watch thread: heartbeats on a socket of its own (ZeroMQ sockets are not shared by

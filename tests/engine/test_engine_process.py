@@ -111,6 +111,8 @@ def test_an_engine_inside_a_long_step_leaves_soon_after_its_server(tmp_path, mon
     folder.mkdir()
 
     class Engine:  # one step under way when the parent goes, lasting until it is released
+        kv_events = None
+
         def has_unfinished(self):
             return True
 
