@@ -406,9 +406,10 @@ def load_model(
             f"load_format = {load_format!r} is not supported (expected one of {list(LOAD_FORMATS)})"
         )
     path = check_dir(path)
+    args = ModelArgs.from_file(path / "config.json")  # a bad config is its own error, first
     files = weight_files(path) if load_format == "auto" else []
     scheme = read_scheme(path)
-    args = model_args(path, files, scheme)
+    args = dense_without_indexer(args, _headers(files), scheme) if files else args
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     auto = (quant or "auto") == "auto"
