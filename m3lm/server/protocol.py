@@ -364,8 +364,9 @@ class ChatCompletionRequest(_Request):
     @model_validator(mode="before")
     @classmethod
     def _effort(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("reasoning_effort") in EFFORTS:
-            return apply_effort(dict(data), data["reasoning_effort"])
+        effort = data.get("reasoning_effort") if isinstance(data, dict) else None
+        if isinstance(effort, str) and effort in EFFORTS:  # anything else: the field's own 400
+            return apply_effort(dict(data), effort)
         return data
 
     def check_limits(self, limits: Limits) -> None:

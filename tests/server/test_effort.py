@@ -114,3 +114,9 @@ def test_anthropic_effort_is_the_same_budget_and_thinking_wins(openai_client, an
             messages=[{"role": "user", "content": PROMPT}],
             extra_body={"output_config": {"effort": "extreme"}},
         )
+
+
+@pytest.mark.parametrize("effort", ["extreme", {"level": "low"}, ["low"], 3])
+def test_an_unknown_effort_is_a_400(openai_client, effort):
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        chat(openai_client, reasoning_effort=effort)
