@@ -239,10 +239,11 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quant",
-        choices=["auto", "mxfp8", "none"],
+        choices=["auto", "keep", "mxfp8", "none"],
         default="auto",
-        help="MXFP8 weights: auto keeps an MXFP8 checkpoint in 8 bits on a GPU, mxfp8 always "
-        "(quantising a bf16 checkpoint at load), none dequantises",
+        help="quantised weights: auto keeps a checkpoint's MXFP8 and 4-bit weights as stored on a GPU "
+        "(dequantised on the CPU), keep does so on any device, mxfp8 holds every weight in 8 bits "
+        "(quantising at load), none dequantises",
     )
     p.add_argument(
         "--load-format",
@@ -488,7 +489,10 @@ def build_parser(commands) -> argparse.ArgumentParser:
     )
     bn.add_argument("--iters", type=_positive, default=20, help="timed calls per case")
     bn.add_argument(
-        "--quant", default="bf16", help="weights: bf16, mxfp8 (kept 8-bit) or bf16,mxfp8 (both, one process)"
+        "--quant",
+        default="bf16",
+        help="weights: bf16, or one of mxfp8, nvfp4, mxfp4, affine4 (kept 8- or 4-bit), or bf16 and one of "
+        "them (both, one process: bf16,nvfp4)",
     )
     bn.add_argument(
         "--compare-transformers",
@@ -523,7 +527,10 @@ def build_parser(commands) -> argparse.ArgumentParser:
     )
     pl.add_argument("--expert-parallel", action="store_true", help="whole experts per GPU (as serve's flag)")
     pl.add_argument(
-        "--quant", choices=["auto", "mxfp8", "none"], default="auto", help="as serve's --quant, on a GPU"
+        "--quant",
+        choices=["auto", "keep", "mxfp8", "none"],
+        default="auto",
+        help="as serve's --quant, on a GPU",
     )
     pl.add_argument(
         "--gpu-memory",

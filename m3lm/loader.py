@@ -24,7 +24,18 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from m3lm.checkpoint_quant import MXFP8, NONE, PLAIN, QuantScheme, Stored, check, read_scheme, stored
+from m3lm.checkpoint_quant import (
+    MXFP4,
+    MXFP8,
+    NONE,
+    NVFP4,
+    PLAIN,
+    QuantScheme,
+    Stored,
+    check,
+    read_scheme,
+    stored,
+)
 from m3lm.config import ModelArgs
 from m3lm.device import resolve_device
 from m3lm.distributed.parallel import SINGLE, ParallelConfig
@@ -32,15 +43,18 @@ from m3lm.distributed.shard import localize, mxfp8_split_errors, param_shard
 from m3lm.errors import CheckpointError
 from m3lm.kernels.fp8 import quantize_mxfp8
 from m3lm.layers.linear import weight_bytes
+from m3lm.layers.quantized import Kept, keep_as_stored_
 from m3lm.model_dir import check_dir, check_inside, inside, json_object
 from m3lm.models.minimax_m3 import MiniMaxM3, Piece, release_name, remap_key
-from m3lm.weight_copy import decode_packed, write_piece, write_slice
+from m3lm.weight_copy import check_finite, decode_packed, write_piece, write_q4_piece, write_slice
 
 log = logging.getLogger("m3lm")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
-QUANT_MODES = ("auto", "mxfp8", "none")
+QUANT_MODES = ("auto", "keep", "mxfp8", "none")
+SCALE_DTYPES = {"U8": torch.uint8, "F8_E8M0": torch.uint8, "F8_E4M3": torch.float8_e4m3fn,
+                "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}  # fmt: skip
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone
 FP32_PARAMS = ("block_sparse_moe.gate.weight", "block_sparse_moe.e_score_correction_bias")
 # safetensors dtypes a plain weight may have; integers would be cast to floats and load as garbage.
@@ -55,6 +69,15 @@ class Packed:
     bits: int
     parts: tuple[tuple[str, str, Path], ...]
     shape: tuple[int, ...]  # unpacked: what the shard plan cuts
+    group: int = 0  # inputs per scale
+    scale_dtype: str = ""  # the scale tensor's safetensors dtype
+
+    def kept(self) -> Kept | None:
+        """How the weight can stay in memory as stored (`kernels.q4`), or None: dequantised."""
+        fmt = {NVFP4: "nvfp4", MXFP4: "mxfp4"}.get(self.kind, "affine4" if self.bits == 4 else None)
+        if fmt is None or self.scale_dtype not in SCALE_DTYPES:
+            return None
+        return Kept(fmt, self.group, SCALE_DTYPES[self.scale_dtype])
 
 
 @dataclass(frozen=True)
@@ -78,14 +101,20 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     raise ValueError(f"unsupported dtype {dtype!r} (expected one of {sorted(DTYPES)})")
 
 
-def resolve_quant(quant: str | None, args: ModelArgs, device: torch.device) -> str | None:
-    """ "auto": keep an MXFP8 checkpoint in 8 bits on a GPU (dequantise on the CPU); "mxfp8": keep
-    (or quantise at load) whatever the checkpoint; "none": dequantise. Returns the model's quant."""
+def resolve_quant(
+    quant: str | None, args: ModelArgs, device: torch.device, scheme: QuantScheme = NONE
+) -> str | None:
+    """ "auto": on a GPU keep an MXFP8 checkpoint in 8 bits, and another quantised one as it is
+    stored ("keep"); dequantise on the CPU. "keep": every weight as stored, on any device (MXFP8
+    and 4-bit ones; other encodings dequantised); "mxfp8": keep (or quantise at load) whatever the
+    checkpoint; "none": dequantise. Returns the model's quant."""
     quant = quant or "auto"
     if quant not in QUANT_MODES:
         raise ValueError(f"quant = {quant!r} is not supported (expected one of {list(QUANT_MODES)})")
     if quant == "auto":
-        return "mxfp8" if args.quant_method == "mxfp8" and device.type == "cuda" else None
+        if device.type != "cuda":
+            return None
+        return "mxfp8" if args.quant_method == "mxfp8" else "keep" if scheme is not NONE else None
     return None if quant == "none" else quant
 
 
@@ -186,9 +215,11 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3, scheme: QuantSche
         scale = st.parts["scale"] if st.kind == MXFP8 else None
         packed = None
         if st.kind not in (PLAIN, MXFP8):
+            _, s_shape, s_dtype = tensors[st.parts["scale"]]
             packed = Packed(
-                st.kind, rule.bits, tuple((k, v, tensors[v][0]) for k, v in st.parts.items()), full
-            )
+                st.kind, rule.bits, tuple((k, v, tensors[v][0]) for k, v in st.parts.items()), full,
+                full[-1] // s_shape[-1], s_dtype,
+            )  # fmt: skip
         sources.append(Source(file, name, scale, tensors[scale][0] if scale else None, r.pieces, packed))
     if unclaimed:
         errors.append(
@@ -213,6 +244,17 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3, scheme: QuantSche
     if errors:
         raise CheckpointError("; ".join(errors))
     return sources
+
+
+def kept_weights(sources: list[Source]) -> dict[str, Kept]:
+    """The parameters every piece of which is stored MXFP8 or in a 4-bit format m3lm multiplies
+    as stored (`kernels.q4`), and how: what `quant="keep"` holds so."""
+    hows: dict[str, set[Kept | None]] = defaultdict(set)
+    for src in sources:
+        how = src.packed.kept() if src.packed else Kept("mxfp8") if src.scale else None
+        for p in src.pieces:
+            hows[p.param].add(how)
+    return {param: next(iter(h)) for param, h in hows.items() if len(h) == 1 and None not in h}
 
 
 def model_args(path: Path, files: list[Path], scheme: QuantScheme) -> ModelArgs:
@@ -270,12 +312,10 @@ def _sibling(st, file: Path, name: str, where: Path, whole: bool = False):
         return other.get_tensor(name)
 
 
-def _unpacked(st, src: Source, sl, index: tuple) -> torch.Tensor:
-    """Rows `index` of a packed weight, dequantised to fp32: the values and their scales share
-    every dim but the last, so both take the index's leading part; the inputs are cut after."""
+def _packed_rows(st, src: Source, sl, lead: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Rows `lead` of a packed weight as stored: its values and its scale tensors by role (the
+    values and scales share every dim but the last; a global factor is one fp32 value)."""
     assert src.packed is not None
-    ndim = len(src.packed.shape)
-    lead = index[:-1] if len(index) == ndim else index
     parts = {}
     for role, name, where in src.packed.parts:
         if role in ("scale", "biases"):
@@ -283,8 +323,30 @@ def _unpacked(st, src: Source, sl, index: tuple) -> torch.Tensor:
             parts[role] = t[lead] if lead else t[:]
         else:  # one fp32 value
             parts[role] = _sibling(st, src.file, name, where, whole=True)
-    w = decode_packed(src.packed.kind, sl[lead] if lead else sl[:], parts, src.packed.bits)
+    return (sl[lead] if lead else sl[:]), parts
+
+
+def _unpacked(st, src: Source, sl, index: tuple) -> torch.Tensor:
+    """Rows `index` of a packed weight, dequantised to fp32; the inputs are cut after."""
+    assert src.packed is not None
+    ndim = len(src.packed.shape)
+    lead = index[:-1] if len(index) == ndim else index
+    w = decode_packed(src.packed.kind, *_packed_rows(st, src, sl, lead), src.packed.bits)
     return w[..., index[-1]] if len(index) == ndim else w
+
+
+def _write_packed(st, src: Source, sl, params: dict, shards) -> None:
+    """Every piece of a packed weight this rank owns: kept as stored where its parameter keeps
+    4 bits (uint8 codes; checked finite once dequantised), else dequantised."""
+    assert src.packed is not None
+    for index, param, slot in _pieces(src, src.packed.shape, shards):
+        w = _unpacked(st, src, sl, index)
+        if params[param].dtype != torch.uint8:
+            write_piece(params, Piece(param, slot), w, None, src.name)
+            continue
+        assert len(index) < len(src.packed.shape), "a kept 4-bit piece has whole rows"
+        check_finite(w, src.name)
+        write_q4_piece(params, Piece(param, slot), *_packed_rows(st, src, sl, index))
 
 
 def _pieces(src: Source, shape: tuple[int, ...], shards: dict[str, tuple[slice, ...]] | None):
@@ -323,10 +385,7 @@ def stream_weights(
                         sl = st.get_slice(src.name)
                         scale = _read_scale(st, src) if src.scale else None
                         if src.packed is not None:
-                            for index, param, slot in _pieces(src, src.packed.shape, shards):
-                                write_piece(
-                                    params, Piece(param, slot), _unpacked(st, src, sl, index), None, src.name
-                                )
+                            _write_packed(st, src, sl, params, shards)
                         elif shards is None:
                             for p in src.pieces:
                                 t = sl[p.index] if p.index else sl[:]
@@ -413,19 +472,29 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     auto = (quant or "auto") == "auto"
-    quant = resolve_quant(quant, args, dev)
+    quant = resolve_quant(quant, args, dev, scheme if files else NONE)
+    if quant == "keep" and parallel.world > 1:
+        if not auto:
+            raise ValueError(
+                "quant='keep' runs on one device; under parallelism 4-bit weights are dequantised"
+            )
+        log.warning("dequantising the checkpoint's 4-bit weights: kept as stored on one device only")
+        quant = None
     if quant == "mxfp8" and auto and (misaligned := mxfp8_split_errors(args, parallel)):
         log.warning(
             "dequantising the 8-bit shards (rank slices not multiples of 32: %s)", "; ".join(misaligned)
         )
         quant = None
+    built = None if quant == "keep" else quant
     with torch.device("meta"):
-        model = MiniMaxM3(args, dtype=dt, quant=quant)
-        local = MiniMaxM3(args, dtype=dt, quant=quant, parallel=parallel) if parallel.world > 1 else model
+        model = MiniMaxM3(args, dtype=dt, quant=built)
+        local = MiniMaxM3(args, dtype=dt, quant=built, parallel=parallel) if parallel.world > 1 else model
     if load_format == "dummy":
         model = random_weights_(allocate(local, dev))
     else:
         sources = plan(files, args, model, scheme)  # a bad checkpoint fails here, before allocation
+        if quant == "keep":
+            keep_as_stored_(model, kept_weights(sources))
         shards = None
         if parallel.world > 1:  # the full model's parameters (8-bit scales included) -> this rank's slice
             shards = {n: param_shard(n, tuple(p.shape), args, parallel) for n, p in model.named_parameters()}

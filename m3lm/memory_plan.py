@@ -17,7 +17,8 @@ from m3lm.distributed.parallel import ParallelConfig
 from m3lm.distributed.shard import mxfp8_split_errors
 from m3lm.errors import ConfigError
 from m3lm.layers.linear import weight_bytes
-from m3lm.loader import model_args, resolve_quant, weight_files
+from m3lm.layers.quantized import keep_as_stored_
+from m3lm.loader import kept_weights, model_args, plan, resolve_quant, weight_files
 from m3lm.model_dir import check_dir
 from m3lm.models.minimax_m3 import MiniMaxM3
 
@@ -33,10 +34,13 @@ def rank_model(args: ModelArgs, pc: ParallelConfig, quant: str | None = None) ->
 
 
 def rank_bytes(
-    args: ModelArgs, pc: ParallelConfig, quant: str | None, index_fp8: bool = False
+    args: ModelArgs, pc: ParallelConfig, quant: str | None, index_fp8: bool = False, kept: dict | None = None
 ) -> tuple[int, int]:
-    """(resident weight bytes, KV + index-key bytes per cached token) of one rank."""
-    model = rank_model(args, pc, quant)
+    """(resident weight bytes, KV + index-key bytes per cached token) of one rank; `kept`: the
+    weights held as the checkpoint stores them (`loader.kept_weights`, one GPU)."""
+    model = rank_model(args, pc, None if quant == "keep" else quant)
+    if kept:
+        keep_as_stored_(model, kept)
     kv_heads = model.model.layers[0].self_attn.n_kv if args.num_hidden_layers else args.num_key_value_heads
     per_page = KVCache.bytes_per_page(args, torch.bfloat16, index_fp8, kv_heads)
     return sum(weight_bytes(model).values()), per_page // args.index_block_size
@@ -46,7 +50,7 @@ def rank_bytes(
 class MemoryPlan:
     gpus: int
     expert_parallel: bool
-    quant: str | None  # "mxfp8": 8-bit weights kept; None: bf16
+    quant: str | None  # "mxfp8": 8-bit weights kept; "keep": as stored; None: bf16
     scheme: str  # the checkpoint's quantisation scheme ("none", "mxfp8", "mlx", ...)
     checkpoint_bytes: int  # the safetensors files on disk (vision tower and all)
     weight_bytes: int  # resident on the fullest GPU
@@ -100,12 +104,21 @@ def plan_memory(
     files = [] if alone else weight_files(path)
     scheme = read_scheme(path)
     args = model_args(path, files, scheme)
-    held = resolve_quant(quant, args, torch.device("cuda"))
+    held = resolve_quant(quant, args, torch.device("cuda"), scheme)
+    if held == "keep" and gpus > 1:  # as the loader: 4-bit weights are kept on one GPU only
+        if quant != "auto":
+            raise ValueError(
+                "quant='keep' runs on one device; under parallelism 4-bit weights are dequantised"
+            )
+        held = None
+    kept = None
+    if held == "keep" and files:
+        kept = kept_weights(plan(files, args, rank_model(args, ParallelConfig(1, 0, False)), scheme))
     weights = kv = 0
     for rank in sorted({0, gpus - 1}):  # ranks differ only in which KV head they keep
         pc = ParallelConfig(gpus, rank, expert_parallel)
         rank_quant = None if held == "mxfp8" and quant == "auto" and mxfp8_split_errors(args, pc) else held
-        w, t = rank_bytes(args, pc, rank_quant, index_fp8)
+        w, t = rank_bytes(args, pc, rank_quant, index_fp8, kept)
         weights, kv = max(weights, w), max(kv, t)
     return MemoryPlan(
         gpus=gpus,
@@ -131,8 +144,10 @@ def describe(plan: MemoryPlan) -> str:
     """The plan as `m3lm plan` prints it."""
     how = f"{plan.gpus} GPU" + ("s, tensor parallel" if plan.gpus > 1 else "")
     how += ", expert parallel" if plan.expert_parallel and plan.gpus > 1 else ""
-    held = "MXFP8 kept in 8 bits" if plan.quant == "mxfp8" else "bf16"
-    if plan.scheme not in ("none", "mxfp8"):
+    held = {"mxfp8": "MXFP8 kept in 8 bits", "keep": "MXFP8 and 4-bit weights as stored, the rest bf16"}.get(
+        plan.quant or "", "bf16"
+    )
+    if plan.scheme not in ("none", "mxfp8") and plan.quant != "keep":
         held += " (the checkpoint's 4- and 8-bit weights are dequantised at load)"
     budget = plan.gpu_bytes * plan.utilization
     lines = [

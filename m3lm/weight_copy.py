@@ -1,7 +1,7 @@
 """Copy checkpoint tensor slices into parameters: 8-bit parameters take MXFP8 values and scales
 as stored (or quantise a float slice with the release's scheme), float parameters take the slice
-dequantised; 4-bit and MLX affine weights are dequantised (`decode_packed`); NaN and Inf are
-refused in every encoding."""
+dequantised; 4-bit and MLX affine weights are dequantised (`decode_packed`), or kept in 4 bits
+as stored where the parameter is (`write_q4_piece`); NaN and Inf are refused in every encoding."""
 
 from __future__ import annotations
 
@@ -87,3 +87,19 @@ def _block_slice(ix: slice, name: str) -> slice:
 def check_finite(t: torch.Tensor, name: str) -> None:
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         raise CheckpointError(f"{name} holds NaN or Inf values")
+
+
+def write_q4_piece(params: dict, p: Piece, values: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+    """Copy one piece of a 4-bit weight into parameters that keep it as stored (`kernels.q4`):
+    the codes (MLX's 32-bit words read as their bytes), the scales, and the biases (affine4) or
+    the tensor's fp32 factor repeated over the piece's rows (nvfp4)."""
+
+    def target(name: str) -> torch.Tensor:
+        return params[name] if p.slot is None else params[name][p.slot]
+
+    target(p.param).copy_(values.view(torch.uint8))
+    target(p.param + "_scale").copy_(e8m0_bytes(parts["scale"]))
+    if "biases" in parts:
+        target(p.param + "_bias").copy_(parts["biases"])
+    if "global" in parts:
+        target(p.param + "_global").fill_(float(parts["global"].reshape(())))

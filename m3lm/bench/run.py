@@ -18,7 +18,8 @@ same B and context (a decode case is added where `--decode` has none); `--drafte
 drafting with a random EAGLE-3 drafter at the published shapes (`bench.speculation`).
 
 `--quant bf16,mxfp8` times the same slice with bf16 weights, then with the weights quantised to
-MXFP8 (the release's scheme) and kept in 8 bits. For each decode case it also times the parts
+MXFP8 (the release's scheme) and kept in 8 bits; `bf16,nvfp4`, `bf16,mxfp4` and `bf16,affine4`
+quantise them as those 4-bit exports hold them (`layers.quantized.Q4_LAYOUTS`) and keep 4 bits. For each decode case it also times the parts
 (embedding + final norm + lm_head, one dense layer, one MoE + MSA layer) as graphs of their own,
 reports the decoder layers alone (step minus embedding and lm_head, which the release keeps in
 bf16) and projects the 60-layer model: head + 3 dense + 57 MoE/MSA layers.
@@ -54,6 +55,7 @@ from m3lm.bench.slice import (
 from m3lm.bench.timing import PREFILL_SECONDS, measure, rested_ms, time_ms
 from m3lm.cache.kv_cache import KVCache
 from m3lm.layers.linear import weight_bytes
+from m3lm.layers.quantized import Q4_LAYOUTS, quantize_q4_
 from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_
 
 
@@ -103,12 +105,20 @@ def bench_prefill(model: MiniMaxM3, length: int, iters: int) -> Row:
     return Row(case, ms, length, weights_bytes(model, length), flops, gpu=gpu, rested_ms=rested)
 
 
+QUANTS = ("mxfp8", *Q4_LAYOUTS)
+
+
 def run(args) -> tuple[list[Row], list[str]]:
     """Rows of every variant in `args.quant` (bf16 first: the mxfp8 variant quantises in place)."""
     torch.backends.cuda.matmul.allow_tf32 = True
     quants = args.quant
-    if quants not in (["bf16"], ["mxfp8"], ["bf16", "mxfp8"]):
-        raise ValueError(f"--quant {','.join(quants)}: expected bf16, mxfp8 or bf16,mxfp8")
+    if not (
+        quants in (["bf16"], *([q] for q in QUANTS))
+        or (quants[0] == "bf16" and quants[1:] in ([q] for q in QUANTS))
+    ):
+        raise ValueError(
+            f"--quant {','.join(quants)}: expected bf16, one of {', '.join(QUANTS)}, or bf16 and one of them"
+        )
     t0 = time.time()
     model = build_slice(args.layers)
     print(f"built a {args.layers}-layer slice in {time.time() - t0:.1f} s", flush=True)
@@ -122,11 +132,11 @@ def run(args) -> tuple[list[Row], list[str]]:
     resident["bf16"] = weight_bytes(model)
     in_layers = {"bf16": sum(weight_bytes(model.model.layers).values())}  # without embedding and lm_head
     for quant in quants:
-        if quant == "mxfp8":
-            keep_mxfp8_(model, quantize=True)  # the release's scheme, from the random bf16 weights
+        if quant != "bf16":  # the release's scheme or an export's, from the random bf16 weights
+            keep_mxfp8_(model, quantize=True) if quant == "mxfp8" else quantize_q4_(model, quant)
             torch.cuda.empty_cache()
-            resident["mxfp8"] = weight_bytes(model)
-            in_layers["mxfp8"] = sum(weight_bytes(model.model.layers).values())
+            resident[quant] = weight_bytes(model)
+            in_layers[quant] = sum(weight_bytes(model.model.layers).values())
         tag = f" [{quant}]" if len(quants) > 1 or quant != "bf16" else ""
         notes.append(f"resident weights{tag or ' [bf16]'}: {gb_text(resident[quant])}")
         print(notes[-1], flush=True)
@@ -160,14 +170,15 @@ def run(args) -> tuple[list[Row], list[str]]:
                     rows.append(row)
                     print(" | ".join(row.cells()), "(reference column: dense flash attention)", flush=True)
     if len(quants) == 2:
-        ratio = sum(resident["mxfp8"].values()) / sum(resident["bf16"].values())
+        q = quants[1]
+        ratio = sum(resident[q].values()) / sum(resident["bf16"].values())
         notes.append(
-            f"resident weights mxfp8 / bf16: {ratio:.3f} (decoder layers only, without the embedding "
-            f"and lm_head that the release keeps in bf16: {in_layers['mxfp8'] / in_layers['bf16']:.3f})"
+            f"resident weights {q} / bf16: {ratio:.3f} (decoder layers only, without the embedding "
+            f"and lm_head that the release keeps in bf16: {in_layers[q] / in_layers['bf16']:.3f})"
         )
         for b, ctx in args.decode:
-            speed = layers_ms[("bf16", b, ctx)] / layers_ms[("mxfp8", b, ctx)]
-            notes.append(f"decode B={b} ctx={ctx}: decoder layers bf16 / mxfp8 = {speed:.2f}x")
+            speed = layers_ms[("bf16", b, ctx)] / layers_ms[(q, b, ctx)]
+            notes.append(f"decode B={b} ctx={ctx}: decoder layers bf16 / {q} = {speed:.2f}x")
         print("\n".join(notes[-1 - len(args.decode) :]), flush=True)
     measured = [r for r in rows if r.gpu]
     if measured:

@@ -75,13 +75,12 @@ COMPILE_MAX_BYTES = 4 << 30
 
 def compilable(model: MiniMaxM3, config: EngineConfig) -> bool:
     """Whether the CPU's compiled decode step (`engine.cpu_compile`) can run this model: one
-    rank, exact MSA, plain (not 8-bit) weights, and small enough to build beside it."""
-    from m3lm.layers.linear import MXFP8Linear
-
+    rank, exact MSA, plain float weights (none kept in 8 or 4 bits), and small enough to build
+    beside it."""
     return (
         model.parallel.world == 1
         and config.msa_dense_window is None
-        and not any(isinstance(m, MXFP8Linear) for m in model.modules())
+        and all(p.is_floating_point() and p.element_size() > 1 for p in model.parameters())
         and sum(weight_bytes(model).values()) <= COMPILE_MAX_BYTES
     )
 

@@ -69,6 +69,7 @@ GEMV_NARROW = Config("gemv", 4, 512, 4, 3)
 # (`dequantize`, one read of the 8-bit bytes) and multiplied by the vendor GEMM at bf16 speed,
 # instead of dequantising every tile once per row block in the tile kernel.
 DEQUANT_MIN_T = 1024
+FORMAT_CODES = {"mxfp8": 0, "mxfp4": 1, "nvfp4": 2, "affine4": 3}  # `weight_tile`'s FMT
 
 
 @triton.jit
@@ -96,49 +97,121 @@ def _weight_rows(pid, N, BN: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K: tl.constexpr, BK: tl.constexpr):
-    """Weight rows `rows` [R], inputs k0..k0+BK, dequantised: fp32 [R, BK] (0 where masked)."""
-    kk = k0 + tl.arange(0, BK)
-    kb = k0 // 32 + tl.arange(0, BK // 32)
-    w_ptrs = q_ptr + rows[:, None] * s_qo + kk[None, :]
-    s_ptrs = s_ptr + rows[:, None] * s_so + kb[None, :]
-    if EVEN_K:  # no K mask: nothing stands between the loads and 16-byte vectors
-        w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
-        s = tl.load(s_ptrs, mask=row_ok[:, None], other=0)
-    else:
-        w = tl.load(w_ptrs, mask=row_ok[:, None] & (kk[None, :] < KDIM), other=0.0)
-        s = tl.load(s_ptrs, mask=row_ok[:, None] & (kb[None, :] < KDIM // 32), other=0)
-    return dequant_tile(w, s, rows.shape[0], BK)
+def e2m1(c):
+    """E2M1 codes (int32, 0..15) -> fp32: magnitudes 0, 0.5 (the two subnormals) and 1.5 x 2^e
+    steps built as fp32 bit patterns (exponent 126 + c/2, mantissa bit c & 1), sign from bit 3."""
+    m = c & 7
+    bits = tl.where(m < 2, m * 0x3F000000, (m + 252) << 22) | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _dequant_kernel(q_ptr, s_ptr, w_ptr, N, KDIM, BN: tl.constexpr, BK: tl.constexpr):
+def weight_tile(
+    q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo,
+    FMT: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """Weight rows `rows` [R], inputs k0..k0+BK, dequantised: fp32 [R, BK] (0 where masked).
+
+    FMT 0: MXFP8 (e4m3 values, E8M0 per 32). Else 4 bits, two inputs a byte (`kernels.q4`):
+    1 MXFP4, 2 NVFP4 (b_ptr: one fp32 factor a row), 3 MLX affine (b_ptr: a bias a group)."""
+    if FMT == 0:
+        kk = k0 + tl.arange(0, BK)
+        kb = k0 // 32 + tl.arange(0, BK // 32)
+        w_ptrs = q_ptr + rows[:, None] * s_qo + kk[None, :]
+        s_ptrs = s_ptr + rows[:, None] * s_so + kb[None, :]
+        if EVEN_K:  # no K mask: nothing stands between the loads and 16-byte vectors
+            w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
+            s = tl.load(s_ptrs, mask=row_ok[:, None], other=0)
+        else:
+            w = tl.load(w_ptrs, mask=row_ok[:, None] & (kk[None, :] < KDIM), other=0.0)
+            s = tl.load(s_ptrs, mask=row_ok[:, None] & (kb[None, :] < KDIM // 32), other=0)
+        return dequant_tile(w, s, rows.shape[0], BK)
+    return q4_tile(q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK)
+
+
+@triton.jit
+def q4_tile(
+    q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo,
+    FMT: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """`weight_tile` of a 4-bit weight: byte j of a row holds inputs 2j (low nibble) and 2j + 1."""
+    R: tl.constexpr = rows.shape[0]
+    kp = k0 // 2 + tl.arange(0, BK // 2)
+    kb = k0 // GROUP + tl.arange(0, BK // GROUP)
+    p_ptrs = q_ptr + rows[:, None] * s_qo + kp[None, :]
+    s_ptrs = s_ptr + rows[:, None] * s_so + kb[None, :]
+    if EVEN_K:
+        p = tl.load(p_ptrs, mask=row_ok[:, None], other=0)
+        s = tl.load(s_ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        p = tl.load(p_ptrs, mask=row_ok[:, None] & (kp[None, :] < KDIM // 2), other=0)
+        s = tl.load(s_ptrs, mask=row_ok[:, None] & (kb[None, :] < KDIM // GROUP), other=0.0)
+    p = p.to(tl.int32)
+    if FMT == 3:
+        lo = (p & 15).to(tl.float32)
+        hi = (p >> 4).to(tl.float32)
+    else:
+        lo = e2m1(p & 15)
+        hi = e2m1(p >> 4)
+    w = tl.reshape(tl.join(lo, hi), (R, BK // GROUP, GROUP))  # inputs in order: 2j, 2j + 1
+    if FMT == 1:
+        w = w * tl.exp2(s.to(tl.float32) - 127.0)[:, :, None]
+    elif FMT == 2:
+        g = tl.load(b_ptr + rows * s_bo, mask=row_ok, other=0.0)
+        w = (w * s.to(tl.float32)[:, :, None]) * g[:, None, None]
+    else:
+        b_ptrs = b_ptr + rows[:, None] * s_bo + kb[None, :]
+        if EVEN_K:
+            b = tl.load(b_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            b = tl.load(b_ptrs, mask=row_ok[:, None] & (kb[None, :] < KDIM // GROUP), other=0.0)
+        w = w * s.to(tl.float32)[:, :, None] + b.to(tl.float32)[:, :, None]
+    return tl.reshape(w, (R, BK))
+
+
+@triton.jit
+def _dequant_kernel(
+    q_ptr, s_ptr, b_ptr, w_ptr, N, KDIM, s_qo, s_so, s_bo,
+    FMT: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
     """w[BN rows, BK inputs] = dequant(q, s) for this program's tile, in w's dtype."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * BK
-    w = weight_tile(q_ptr, s_ptr, rows, rows < N, k0, KDIM, KDIM, KDIM // 32, False, BK)
+    w = weight_tile(q_ptr, s_ptr, b_ptr, rows, rows < N, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, False, BK)
     kk = k0 + tl.arange(0, BK)
     out = w_ptr + rows[:, None].to(tl.int64) * KDIM + kk[None, :]
     tl.store(out, w.to(w_ptr.dtype.element_ty), mask=(rows[:, None] < N) & (kk[None, :] < KDIM))
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`fp8.dequant_mxfp8` in one launch: q [O, In] e4m3 + scale [O, In/32] -> [O, In] in dtype."""
-    o, kdim = q.shape
-    assert kdim % MX_BLOCK == 0 and scale.shape == (o, kdim // MX_BLOCK) and q.numel() < 2**31
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, q4=None) -> torch.Tensor:
+    """`fp8.dequant_mxfp8` (or with `q4`, `q4.dequant_q4`) in one launch: q [O, In] e4m3 + scale
+    [O, In/32] (or the 4-bit weight) -> [O, In] in dtype."""
+    fmt, group, extra = _format(q4)
+    o, kdim = q.shape[0], q.shape[1] * (2 if q4 is not None else 1)
+    assert kdim % group == 0 and scale.shape == (o, kdim // group) and q.numel() < 2**31
+    q, scale, extra = q.contiguous(), scale.contiguous(), (extra if extra is not None else scale).contiguous()
     w = torch.empty(o, kdim, device=q.device, dtype=dtype)
-    bn, bk = 32, 128
+    bn, bk = 32, max(128, group)
     _dequant_kernel[(triton.cdiv(o, bn), triton.cdiv(kdim, bk))](
-        q.contiguous(), scale.contiguous(), w, o, kdim, BN=bn, BK=bk
-    )
+        q, scale, extra, w, o, kdim, q.stride(0), scale.stride(0), extra.stride(0),
+        FMT=fmt, GROUP=group, BN=bn, BK=bk,
+    )  # fmt: skip
     return w
+
+
+def _format(q4) -> tuple[int, int, torch.Tensor | None]:
+    """(FMT, inputs per scale, the bias or row factor) of MXFP8 (None) or a 4-bit weight
+    (`kernels.q4.Q4Weight`)."""
+    if q4 is None:
+        return 0, MX_BLOCK, None
+    return FORMAT_CODES[q4.fmt], q4.group, q4.extra
 
 
 @triton.jit(do_not_specialize=["T"])
 def _mxfp8_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, y_ptr,
-    T, N, KDIM, s_xt, s_qo, s_so, s_yt, alpha, limit,
-    KLOOP: tl.constexpr, EVEN_K: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, b_ptr, y_ptr,
+    T, N, KDIM, s_xt, s_qo, s_so, s_bo, s_yt, alpha, limit,
+    FMT: tl.constexpr, GROUP: tl.constexpr, KLOOP: tl.constexpr, EVEN_K: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """y[:T, n] for this program's BN outputs n, every weight row read once; x [T, In] stays in cache.
@@ -153,7 +226,9 @@ def _mxfp8_gemv_kernel(
     # An explicit pipelining depth: by default only the loads that feed a dot are prefetched.
     for k0 in tl.range(0, KLOOP if KLOOP else KDIM, BK, num_stages=STAGES):
         kk = k0 + tl.arange(0, BK)
-        w = weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K, BK)  # [G*BN, BK]
+        w = weight_tile(
+            q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK
+        )  # [G*BN, BK]
         if DOT:  # [G*BN, BK] @ [BK, 16]: the weight on the tensor cores' wide side
             x = tl.load(
                 x_ptr + offs_t[:, None] * s_xt + kk[None, :],
@@ -181,9 +256,9 @@ def _mxfp8_gemv_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _mxfp8_matmul_kernel(
-    x_ptr, q_ptr, s_ptr, y_ptr,
-    T, N, KDIM, s_xt, s_qo, s_so, s_yt, alpha, limit,
-    KLOOP: tl.constexpr, EVEN_K: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, b_ptr, y_ptr,
+    T, N, KDIM, s_xt, s_qo, s_so, s_bo, s_yt, alpha, limit,
+    FMT: tl.constexpr, GROUP: tl.constexpr, KLOOP: tl.constexpr, EVEN_K: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """y tile [BM, BN] = x[BM rows] @ W[BN outputs].T on the tensor cores (see `_mxfp8_gemv_kernel`)."""
@@ -201,7 +276,7 @@ def _mxfp8_matmul_kernel(
             mask=(offs_m[:, None] < T) & (kk[None, :] < KDIM),
             other=0.0,
         )
-        w = weight_tile(q_ptr, s_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, EVEN_K, BK)
+        w = weight_tile(q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PREC)
     if G == 2:  # [BM, 2*BN]: gate columns, then up columns
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
@@ -250,29 +325,37 @@ def mxfp8_matmul(
     act: str | None = None,
     alpha: float = 1.702,
     limit: float = 7.0,
+    q4=None,
 ) -> torch.Tensor:
     """x [T, In] (bf16 or fp32) @ dequant(q [O, In] e4m3, scale [O, In/32] uint8).T -> [T, O] in x's dtype.
 
     act="swiglu": q holds [gate rows; up rows] (`pack_gate_up`), and the result is the clamped
-    swiglu(gate, up, alpha, limit) [T, O/2].
+    swiglu(gate, up, alpha, limit) [T, O/2]. `q4`: a 4-bit weight instead (q and scale are its
+    values [O, In/2] and scales), read by the same kernels (`weight_tile`).
     """
     t, kdim = x.shape
     rows = q.shape[0]
-    assert kdim % MX_BLOCK == 0 and q.shape[1] == kdim and scale.shape == (rows, kdim // MX_BLOCK)
+    fmt, group, extra = _format(q4)
+    assert q.shape[1] * (2 if q4 is not None else 1) == kdim and scale.shape == (rows, kdim // group)
     assert act in (None, "swiglu") and q.numel() < 2**31
     g = 2 if act else 1
     n = rows // g
     assert n * g == rows
     x = x.contiguous()
     if config is None and act is None and t >= DEQUANT_MIN_T:
-        return torch.nn.functional.linear(x, dequantize(q, scale, x.dtype))
+        return torch.nn.functional.linear(x, dequantize(q, scale, x.dtype, q4))
     y = torch.empty(t, n, device=x.device, dtype=x.dtype)
     cfg = config or matmul_config(t, n, kdim, sm_count(x.device), act is not None)
+    cfg = cfg._replace(bk=max(cfg.bk, group))
+    extra = extra if extra is not None else scale
     common = dict(
-        KLOOP=kdim if interpreted() else 0, EVEN_K=kdim % cfg.bk == 0, G=g, PREC=precision(x),
-        BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages,
+        FMT=fmt, GROUP=group, KLOOP=kdim if interpreted() else 0, EVEN_K=kdim % cfg.bk == 0, G=g,
+        PREC=precision(x), BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
-    args = (x, q, scale, y, t, n, kdim, x.stride(0), q.stride(0), scale.stride(0), y.stride(0), alpha, limit)
+    args = (
+        x, q, scale, extra, y, t, n, kdim, x.stride(0), q.stride(0), scale.stride(0), extra.stride(0),
+        y.stride(0), alpha, limit,
+    )  # fmt: skip
     if cfg.kernel == "tile":
         _mxfp8_matmul_kernel[(triton.cdiv(t, cfg.bm), triton.cdiv(n, cfg.bn))](*args, BM=cfg.bm, **common)
     else:

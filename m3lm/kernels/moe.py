@@ -14,6 +14,7 @@ import torch
 
 from m3lm.kernels.activation import swiglu_oai
 from m3lm.kernels.fp8 import dequant_mxfp8
+from m3lm.kernels.q4 import Q4Weight, dequant_q4
 
 # From this many tokens (prefill) the GPU computes bf16 activations' router logits as three bf16
 # products (`split_bf16`) on the tensor cores; below it the fp32 weight is read once (decode).
@@ -126,8 +127,15 @@ def moe(
     shared expert enters at 1.0. `shared_fp8`: the shared expert's MXFP8 weights and scales when
     it has a routed expert's shape, so that a decode step runs it in the routed experts' launches.
     """
-    fp8 = stacked[0].dtype == torch.float8_e4m3fn  # weight-only FP8 experts (dequantised on the CPU)
-    experts = moe_experts_mxfp8 if fp8 else moe_experts_ref
+    q4 = isinstance(stacked[0], Q4Weight)  # 4-bit experts (`kernels.q4`)
+    fp8 = (
+        not q4 and stacked[0].dtype == torch.float8_e4m3fn
+    )  # weight-only FP8 experts (dequantised on the CPU)
+    experts = moe_experts_q4 if q4 else moe_experts_mxfp8 if fp8 else moe_experts_ref
+    if x.is_cuda and first is None and q4:
+        from m3lm.kernels.moe_fp8_triton import moe_pairs_q4
+
+        return MoEOutput(moe_pairs_q4(x, weights, ids, *stacked, alpha, limit), shared(x), scaling)
     if x.is_cuda and first is None:
         # Triton (imported here so CPU installs need no Triton): the grouped GEMMs leave one
         # output per token-expert pair (bf16: unweighted, rounded as the reference's product;
@@ -145,7 +153,7 @@ def moe(
             return MoEOutput(pairs, shared(x), scaling)
         pairs = moe_pairs(x, ids, *stacked, alpha, limit)  # [T, A, C] in x's dtype
         return MoEOutput(pairs, shared(x), scaling, weights)
-    if x.is_cuda and not fp8:
+    if x.is_cuda and not (fp8 or q4):
         from m3lm.kernels.moe_triton import moe_experts as experts
     if first is not None:
         routed = local_experts(experts, x, weights, ids, first, stacked, alpha, limit)
@@ -266,3 +274,17 @@ def moe_experts_mxfp8(x, weights, ids, w1, s1, w3, s3, w2, s2, alpha: float, lim
         return moe_experts_fp8(x, weights, ids, w1, s1, w3, s3, w2, s2, alpha, limit)
     deq = [dequant_mxfp8(w, s, x.dtype) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
     return moe_experts_ref(x, weights, ids, *deq, alpha, limit)
+
+
+def moe_experts_q4(x, weights, ids, w1: Q4Weight, w3: Q4Weight, w2: Q4Weight, alpha: float, limit: float):
+    """`moe_experts_ref`'s contract with 4-bit experts (`kernels.q4`). GPU: the weight-only kernels
+    of `moe_fp8_triton`; CPU: the experts the tokens chose, dequantised, then the reference's own
+    schedule for this many pairs and experts (so the sums are the dequantised model's)."""
+    if x.is_cuda:
+        from m3lm.kernels.moe_fp8_triton import moe_pairs_q4
+
+        return moe_pairs_q4(x, weights, ids, w1, w3, w2, alpha, limit).sum(1)
+    used, local = ids.unique(sorted=True, return_inverse=True)  # [U], ids as positions in used
+    deq = [dequant_q4(w.take(used), x.dtype) for w in (w1, w3, w2)]
+    by = experts_by_pair if ids.numel() < w1.values.shape[0] else experts_by_expert
+    return by(x, weights, local.view(ids.shape), *deq, alpha, limit)

@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from m3lm.kernels.fp8_triton import dequant_tile, swiglu, weight_tile
+from m3lm.kernels.fp8_triton import FORMAT_CODES, swiglu, weight_tile
 from m3lm.kernels.host import precision
 from m3lm.kernels.moe_triton import align, row_blocks
+from m3lm.kernels.q4 import Q4Weight
 
 
 @triton.jit
@@ -46,22 +47,14 @@ def _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM: tl.constexpr, BK: tl.constexp
 
 @triton.jit
 def _expert_tile(
-    w_ptr, s_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn,
-    N: tl.constexpr, KDIM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    w_ptr, s_ptr, b_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn, s_be, s_bn,
+    N: tl.constexpr, KDIM: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """Expert e's weight rows offs_n [BN], inputs k0..k0+BK, dequantised: fp32 [BN, BK]."""
-    kk = k0 + tl.arange(0, BK)
-    kb = k0 // 32 + tl.arange(0, BK // 32)
-    n_ok = offs_n[:, None] < N
-    w = tl.load(
-        w_ptr + e * s_we + offs_n[:, None] * s_wn + kk[None, :], mask=n_ok & (kk[None, :] < KDIM), other=0.0
-    )
-    s = tl.load(
-        s_ptr + e * s_se + offs_n[:, None] * s_sn + kb[None, :],
-        mask=n_ok & (kb[None, :] < KDIM // 32),
-        other=0,
-    )
-    return dequant_tile(w, s, BN, BK)
+    return weight_tile(
+        w_ptr + e * s_we, s_ptr + e * s_se, b_ptr + e * s_be, offs_n, offs_n < N, k0, KDIM, s_wn, s_sn, s_bn,
+        FMT, GROUP, False, BK,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -77,10 +70,10 @@ def _acc_dot(acc, a, w, SWAP: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _moe_fp8_gate_up_kernel(
-    a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, sorted_ptr, expert_ptr, used_ptr,
+    a_ptr, w1_ptr, s1_ptr, b1_ptr, w3_ptr, s3_ptr, b3_ptr, h_ptr, sorted_ptr, expert_ptr, used_ptr,
     M, TOP_K, alpha, limit,
-    s_am, s_we, s_wn, s_se, s_sn, s_hm,
-    N: tl.constexpr, KDIM: tl.constexpr, PREC: tl.constexpr,
+    s_am, s_we, s_wn, s_se, s_sn, s_be, s_bn, s_hm,
+    N: tl.constexpr, KDIM: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """h[pair] = swiglu(a[token] @ W1[e].T, a[token] @ W3[e].T): both products from one read of a."""
@@ -95,9 +88,47 @@ def _moe_fp8_gate_up_kernel(
     up = tl.zeros_like(gate)
     for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):  # dequantised loads prefetched too
         a = _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM, BK)
-        w1 = _expert_tile(w1_ptr, s1_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn, N, KDIM, BN, BK)
+        w1 = _expert_tile(
+            w1_ptr,
+            s1_ptr,
+            b1_ptr,
+            e,
+            offs_n,
+            k0,
+            s_we,
+            s_wn,
+            s_se,
+            s_sn,
+            s_be,
+            s_bn,
+            N,
+            KDIM,
+            FMT,
+            GROUP,
+            BN,
+            BK,
+        )
         gate = _acc_dot(gate, a, w1, SWAP, PREC)
-        w3 = _expert_tile(w3_ptr, s3_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn, N, KDIM, BN, BK)
+        w3 = _expert_tile(
+            w3_ptr,
+            s3_ptr,
+            b3_ptr,
+            e,
+            offs_n,
+            k0,
+            s_we,
+            s_wn,
+            s_se,
+            s_sn,
+            s_be,
+            s_bn,
+            N,
+            KDIM,
+            FMT,
+            GROUP,
+            BN,
+            BK,
+        )
         up = _acc_dot(up, a, w3, SWAP, PREC)
     h = swiglu(gate, up, alpha, limit)
     if SWAP:
@@ -108,10 +139,10 @@ def _moe_fp8_gate_up_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _moe_fp8_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, scale_ptr,
+    a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, sorted_ptr, expert_ptr, used_ptr, scale_ptr,
     M, TOP_K,
-    s_am, s_we, s_wn, s_se, s_sn, s_cm,
-    N: tl.constexpr, KDIM: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
+    s_am, s_we, s_wn, s_se, s_sn, s_be, s_bn, s_cm,
+    N: tl.constexpr, KDIM: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """c[pair] = a[row] @ W[e].T (times scale[pair]); row = the pair (PAIR_ROWS) or its token."""
@@ -125,7 +156,26 @@ def _moe_fp8_gemm_kernel(
     acc = tl.zeros([BN if SWAP else BM, BM if SWAP else BN], tl.float32)
     for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):  # dequantised loads prefetched too
         a = _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM, BK)
-        w = _expert_tile(w_ptr, s_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn, N, KDIM, BN, BK)
+        w = _expert_tile(
+            w_ptr,
+            s_ptr,
+            b_ptr,
+            e,
+            offs_n,
+            k0,
+            s_we,
+            s_wn,
+            s_se,
+            s_sn,
+            s_be,
+            s_bn,
+            N,
+            KDIM,
+            FMT,
+            GROUP,
+            BN,
+            BK,
+        )
         acc = _acc_dot(acc, a, w, SWAP, PREC)
     if SWAP:
         acc = tl.trans(acc)
@@ -137,9 +187,9 @@ def _moe_fp8_gemm_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _pair_gemv_kernel(
-    a_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, y_ptr, scale_ptr, v1_ptr, r1_ptr, v3_ptr, r3_ptr,
-    M, TOP_K, alpha, limit, s_am, s_we, s_wn, s_se, s_sn, s_ym,
-    N: tl.constexpr, KDIM: tl.constexpr, G: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr,
+    a_ptr, ids_ptr, w1_ptr, s1_ptr, b1_ptr, w3_ptr, s3_ptr, b3_ptr, y_ptr, scale_ptr, v1_ptr, r1_ptr, v3_ptr, r3_ptr,
+    M, TOP_K, alpha, limit, s_am, s_we, s_wn, s_se, s_sn, s_be, s_bn, s_ym,
+    N: tl.constexpr, KDIM: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, PAIR_ROWS: tl.constexpr, SCALE: tl.constexpr,
     EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """y[pair, n] for this program's pair and BN outputs n of its expert: a[row] @ W1[e].T, or with
@@ -155,6 +205,7 @@ def _pair_gemv_kernel(
     q1s = tl.where(shared, r1_ptr, s1_ptr + e * s_se)
     q3 = tl.where(shared, v3_ptr, w3_ptr + e * s_we)
     q3s = tl.where(shared, r3_ptr, s3_ptr + e * s_se)
+    q1b, q3b = b1_ptr + e * s_be, b3_ptr + e * s_be  # 4-bit biases or row factors: never shared
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     wide1 = tl.zeros([BN, BK], tl.float32)
@@ -162,9 +213,13 @@ def _pair_gemv_kernel(
     for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
         kk = k0 + tl.arange(0, BK)
         x = tl.load(a_ptr + row * s_am + kk, mask=kk < KDIM, other=0.0).to(tl.float32)[None, :]
-        wide1 += x * weight_tile(q1, q1s, offs_n, n_ok, k0, KDIM, s_wn, s_sn, EVEN_K, BK)
+        wide1 += x * weight_tile(
+            q1, q1s, q1b, offs_n, n_ok, k0, KDIM, s_wn, s_sn, s_bn, FMT, GROUP, EVEN_K, BK
+        )
         if G == 2:
-            wide3 += x * weight_tile(q3, q3s, offs_n, n_ok, k0, KDIM, s_wn, s_sn, EVEN_K, BK)
+            wide3 += x * weight_tile(
+                q3, q3s, q3b, offs_n, n_ok, k0, KDIM, s_wn, s_sn, s_bn, FMT, GROUP, EVEN_K, BK
+            )
     acc = tl.sum(wide1, axis=1)  # [BN]
     if G == 2:
         acc = swiglu(acc, tl.sum(wide3, axis=1), alpha, limit)
@@ -188,15 +243,19 @@ PAIR_GEMV_TILES = ((8, 256, 4, 3), (32, 512, 4, 4))
 
 def pair_gemv(
     a, ids, w1, s1, w3=None, s3=None, top_k=1, pair_rows=False, scale=None, out_dtype=None,
-    alpha=0.0, limit=0.0, config=None, shared=None, n_shared=0,
+    alpha=0.0, limit=0.0, config=None, shared=None, n_shared=0, fmt=(0, 32), b1=None, b3=None,
 ) -> torch.Tensor:  # fmt: skip
     """y[pair] = a[row of pair] @ dequant(w1, s1)[ids[pair]].T -> [M, N] (row: the pair or its token);
     with w3/s3, swiglu(that, the same with w3); times scale[pair] when given. ids [M] (flat).
 
     shared: the shared expert's (values, scales) of w1 (and w3), [N, In]: n_shared more rows
-    after the M pairs (one per token), each its row of `a` times the shared weight, unscaled."""
+    after the M pairs (one per token), each its row of `a` times the shared weight, unscaled.
+    fmt: (FMT, inputs per scale) of `weight_tile`; b1/b3: a 4-bit weight's biases or row factors."""
     m = ids.numel()
-    n, kdim = w1.shape[1], w1.shape[2]
+    n, kdim = w1.shape[1], w1.shape[2] * (2 if fmt[0] else 1)
+    assert not (fmt[0] and n_shared), "the shared expert joins the pairs' launches in MXFP8 only"
+    b1 = b1 if b1 is not None else s1
+    b3 = b3 if b3 is not None else b1
     if shared is None:
         assert n_shared == 0
         shared = (None,) * 4
@@ -205,13 +264,13 @@ def pair_gemv(
         assert t is None or (t.shape == like.shape[1:] and t.stride() == like.stride()[1:])
     v1, r1, v3, r3 = (t if t is not None else like for t, like in zip(shared, (w1, s1, w1, s1), strict=True))
     bn, bk, warps, stages = config or PAIR_GEMV_TILES[0 if w3 is not None else 1]
-    bk = min(bk, max(32, triton.next_power_of_2(kdim)))
+    bk = max(min(bk, max(32, triton.next_power_of_2(kdim))), fmt[1])
     y = torch.empty(m + n_shared, n, device=a.device, dtype=out_dtype or a.dtype)
     _pair_gemv_kernel[(m + n_shared, triton.cdiv(n, bn))](
-        a, ids, w1, s1, w3 if w3 is not None else w1, s3 if s3 is not None else s1, y,
+        a, ids, w1, s1, b1, w3 if w3 is not None else w1, s3 if s3 is not None else s1, b3, y,
         scale if scale is not None else y, v1, r1, v3, r3, m, top_k, alpha, limit,
-        a.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), y.stride(0),
-        N=n, KDIM=kdim, G=2 if w3 is not None else 1, PAIR_ROWS=pair_rows, SCALE=scale is not None,
+        a.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), *_extra_strides(b1), y.stride(0),
+        N=n, KDIM=kdim, FMT=fmt[0], GROUP=fmt[1], G=2 if w3 is not None else 1, PAIR_ROWS=pair_rows, SCALE=scale is not None,
         EVEN_K=kdim % bk == 0, BN=bn, BK=bk, STAGES=stages, num_warps=warps,
     )  # fmt: skip
     return y
@@ -234,41 +293,64 @@ def tiles(m: int, dtype: torch.dtype) -> tuple[tuple[int, tuple], tuple[int, tup
     return (64, (128, 64, 4, 3, False)), (64, (128, 64, 4, 3, False))
 
 
-def _launch_shape(aligned, w, m: int, block_m: int, config: tuple):
-    n, kdim = w.shape[1], w.shape[2]
+def _extra_strides(b: torch.Tensor) -> tuple[int, int]:
+    """(per expert, per row) strides of stacked biases [E, O, In/G] or row factors [E, O]."""
+    return b.stride(0), b.stride(1)
+
+
+def _launch_shape(aligned, w, m: int, block_m: int, config: tuple, fmt: tuple[int, int]):
+    n, kdim = w.shape[1], w.shape[2] * (2 if fmt[0] else 1)
     bn, bk, warps, stages, swap = config
     grid = (row_blocks(aligned, m, block_m), triton.cdiv(n, bn))
-    bk = min(bk, max(32, triton.next_power_of_2(kdim)))
+    bk = max(min(bk, max(32, triton.next_power_of_2(kdim))), fmt[1])
     meta = dict(
-        N=n, KDIM=kdim, BM=block_m, BN=bn, BK=bk, SWAP=swap, STAGES=stages, num_warps=warps, num_stages=stages
+        N=n,
+        KDIM=kdim,
+        FMT=fmt[0],
+        GROUP=fmt[1],
+        BM=block_m,
+        BN=bn,
+        BK=bk,
+        SWAP=swap,
+        STAGES=stages,
+        num_warps=warps,
+        num_stages=stages,
     )
     return grid, meta
 
 
-def gate_up_fp8(x, w1, s1, w3, s3, m, top_k, aligned, alpha, limit, block_m, config) -> torch.Tensor:
+def gate_up_fp8(
+    x, w1, s1, w3, s3, m, top_k, aligned, alpha, limit, block_m, config, fmt=(0, 32), b1=None, b3=None
+) -> torch.Tensor:
     """SwiGLU activations [M, I] of every token-expert pair (x.dtype); w1/w3 [E, I, C] + scales."""
     assert w1.shape == w3.shape and w1.stride() == w3.stride() and s1.stride() == s3.stride()
+    b1 = b1 if b1 is not None else s1
+    b3 = b3 if b3 is not None else b1
+    assert b1.stride() == b3.stride()
     sorted_ids, block_expert, used, _ = aligned
     h = torch.empty(m, w1.shape[1], device=x.device, dtype=x.dtype)
-    grid, meta = _launch_shape(aligned, w1, m, block_m, config)
+    grid, meta = _launch_shape(aligned, w1, m, block_m, config, fmt)
     _moe_fp8_gate_up_kernel[grid](
-        x, w1, s1, w3, s3, h, sorted_ids, block_expert, used, m, top_k, alpha, limit,
-        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+        x, w1, s1, b1, w3, s3, b3, h, sorted_ids, block_expert, used, m, top_k, alpha, limit,
+        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), *_extra_strides(b1), h.stride(0),
         PREC=precision(x), **meta,
     )  # fmt: skip
     return h
 
 
 def grouped_gemm_fp8(
-    a, w, ws, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, block_m=16, config=None
-) -> torch.Tensor:
+    a, w, ws, m, top_k, aligned, pair_rows: bool, scale=None, out_dtype=None, block_m=16, config=None,
+    fmt=(0, 32), b=None,
+) -> torch.Tensor:  # fmt: skip
     """c[pair] = a[row of pair] @ dequant(w, ws)[expert of pair].T (times scale[pair]) -> [M, N]."""
     sorted_ids, block_expert, used, _ = aligned
+    b = b if b is not None else ws
     c = torch.empty(m, w.shape[1], device=a.device, dtype=out_dtype or a.dtype)
-    grid, meta = _launch_shape(aligned, w, m, block_m, config or tiles(m, a.dtype)[1][1])
+    grid, meta = _launch_shape(aligned, w, m, block_m, config or tiles(m, a.dtype)[1][1], fmt)
     _moe_fp8_gemm_kernel[grid](
-        a, w, ws, c, sorted_ids, block_expert, used, scale if scale is not None else c,
-        m, top_k, a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), c.stride(0),
+        a, w, ws, b, c, sorted_ids, block_expert, used, scale if scale is not None else c,
+        m, top_k, a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), *_extra_strides(b),
+        c.stride(0),
         PAIR_ROWS=pair_rows, SCALE=scale is not None, PREC=precision(a), **meta,
     )  # fmt: skip
     return c
@@ -284,6 +366,22 @@ def moe_pairs_fp8(
     same launches when the pairs go one program each (`pair_path`): then (pairs, its output [T, C]
     fp32 rounded to x's dtype) is returned.
     """
+    return _moe_pairs(x, weights, ids, (w1, s1, None), (w3, s3, None), (w2, s2, None), (0, 32),
+                      alpha, limit, configs, shared)  # fmt: skip
+
+
+def moe_pairs_q4(
+    x, weights, ids, w1: Q4Weight, w3: Q4Weight, w2: Q4Weight, alpha: float, limit: float, configs=None
+):
+    """`moe_pairs_fp8` with 4-bit experts (`kernels.q4`): w1/w3 [E, I, C/2] codes, w2 [E, C, I/2]."""
+    fmt = (FORMAT_CODES[w1.fmt], w1.group)
+    assert all((w.fmt, w.group) == (w1.fmt, w1.group) for w in (w3, w2))
+    return _moe_pairs(x, weights, ids, w1[:3], w3[:3], w2[:3], fmt, alpha, limit, configs, None)
+
+
+def _moe_pairs(x, weights, ids, up1, up3, down, fmt, alpha: float, limit: float, configs, shared):
+    """The two products of every pair: (values, scales, extra) of w1, w3 and w2 in format `fmt`."""
+    (w1, s1, b1), (w3, s3, b3), (w2, s2, b2) = up1, up3, down
     t, a = ids.shape
     if configs is None and pair_path(t * a):
         assert w1.stride() == w3.stride() and s1.stride() == s3.stride()
@@ -292,24 +390,51 @@ def moe_pairs_fp8(
         n_sh = t if shared is not None else 0
         sh1, sh2 = (shared[:4], shared[4:]) if shared is not None else (None, None)
         h = pair_gemv(
-            x, flat, w1, s1, w3, s3, a, alpha=alpha, limit=limit, shared=sh1, n_shared=n_sh
+            x,
+            flat,
+            w1,
+            s1,
+            w3,
+            s3,
+            a,
+            alpha=alpha,
+            limit=limit,
+            shared=sh1,
+            n_shared=n_sh,
+            fmt=fmt,
+            b1=b1,
+            b3=b3,
         )  # [M+t, I]
         scale = weights.flatten().float().contiguous()
         down = pair_gemv(
             h, flat, w2, s2, pair_rows=True, scale=scale, out_dtype=torch.float32,
-            shared=sh2 and (*sh2, None, None), n_shared=n_sh,
+            shared=sh2 and (*sh2, None, None), n_shared=n_sh, fmt=fmt, b1=b2,
         )  # fmt: skip
         pairs = down[: t * a].view(t, a, -1)
         return (pairs, down[t * a :]) if shared is not None else pairs
     assert shared is None, "the shared expert joins only the per-pair path"
     (up_m, up_cfg), (down_m, down_cfg) = configs or tiles(t * a, x.dtype)
     aligned = align(ids, w1.shape[0], up_m)
-    h = gate_up_fp8(x.contiguous(), w1, s1, w3, s3, t * a, a, aligned, alpha, limit, up_m, up_cfg)  # [M, I]
+    h = gate_up_fp8(
+        x.contiguous(), w1, s1, w3, s3, t * a, a, aligned, alpha, limit, up_m, up_cfg, fmt, b1, b3
+    )  # [M, I]
     if down_m != up_m:
         aligned = align(ids, w1.shape[0], down_m)
     scale = weights.flatten().float().contiguous()
     down = grouped_gemm_fp8(
-        h, w2, s2, t * a, a, aligned, True, scale, torch.float32, block_m=down_m, config=down_cfg
+        h,
+        w2,
+        s2,
+        t * a,
+        a,
+        aligned,
+        True,
+        scale,
+        torch.float32,
+        block_m=down_m,
+        config=down_cfg,
+        fmt=fmt,
+        b=b2,
     )
     return down.view(t, a, -1)  # [T, A, C]
 

@@ -1,4 +1,5 @@
-"""A Linear whose weight stays MXFP8 in memory: e4m3 values plus one E8M0 exponent per 32 inputs."""
+"""Linears whose weight stays quantised in memory: MXFP8 (e4m3 values plus one E8M0 exponent per
+32 inputs) or 4 bits as published (`kernels.q4`), and the packing of several into one product."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from m3lm.kernels.fp8 import MX_BLOCK, mxfp8_linear, quantize_mxfp8
+from m3lm.kernels.q4 import Q4Weight, q4_linear
 
 
 def fp8_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -29,10 +31,46 @@ class MXFP8Linear(nn.Module):
         return mxfp8_linear(x, self.weight, self.weight_scale)
 
 
+class Q4Linear(nn.Module):
+    """`y = x @ W.T` with W a 4-bit weight kept as published: `weight` [O, In/2] uint8 codes,
+    `weight_scale` [O, In/G], and `weight_bias` [O, In/G] (affine4) or `weight_global` [O] fp32
+    (nvfp4); no bias term."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, group: int, scale_dtype: torch.dtype):
+        super().__init__()
+        assert in_features % group == 0, f"{fmt} needs the input width to be a multiple of {group}"
+        self.in_features, self.out_features, self.fmt, self.group = in_features, out_features, fmt, group
+        self.weight = fp8_parameter(out_features, in_features // 2, dtype=torch.uint8)
+        self.weight_scale = fp8_parameter(out_features, in_features // group, dtype=scale_dtype)
+        if fmt == "affine4":
+            self.weight_bias = fp8_parameter(out_features, in_features // group, dtype=scale_dtype)
+        elif fmt == "nvfp4":
+            self.weight_global = fp8_parameter(out_features, dtype=torch.float32)
+
+    def q4(self) -> Q4Weight:
+        return Q4Weight(self.weight, self.weight_scale, q4_extra(self, "weight"), self.fmt, self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return q4_linear(x, self.q4())
+
+
+def q4_extra(owner: nn.Module, name: str) -> torch.Tensor | None:
+    """The bias (affine4) or row factors (nvfp4) of 4-bit weight `name` on `owner`, else None."""
+    return (
+        getattr(owner, name + "_bias", None)
+        if hasattr(owner, name + "_bias")
+        else getattr(owner, name + "_global", None)
+    )
+
+
 def _rows(module: nn.Module) -> tuple[torch.Tensor, ...]:
-    """The row-indexed tensors of a Linear (weight) or MXFP8Linear (weight, weight_scale)."""
+    """The row-indexed tensors of a Linear (weight), MXFP8Linear (weight, weight_scale) or
+    Q4Linear (weight, weight_scale and its bias or row factors)."""
     if isinstance(module, MXFP8Linear):
         return module.weight, module.weight_scale
+    if isinstance(module, Q4Linear):
+        extra = q4_extra(module, "weight")
+        return (module.weight, module.weight_scale) + (() if extra is None else (extra,))
     return (module.weight,)
 
 
@@ -61,8 +99,13 @@ def packed_rows(*layers: nn.Module) -> tuple[torch.Tensor, ...] | None:
     if (
         len(layers) < 2
         or any(type(m) is not type(first) for m in layers)
-        or not isinstance(first, nn.Linear | MXFP8Linear)
+        or not isinstance(first, nn.Linear | MXFP8Linear | Q4Linear)
         or any(getattr(m, "bias", None) is not None for m in layers)
+        or any(
+            (getattr(m, "fmt", None), getattr(m, "group", None))
+            != (getattr(first, "fmt", None), getattr(first, "group", None))
+            for m in layers
+        )
     ):
         return None
     kept = first.__dict__.get("_packed_rows")
@@ -85,15 +128,22 @@ def packed_rows(*layers: nn.Module) -> tuple[torch.Tensor, ...] | None:
     packed = tuple(
         g[0].detach().as_strided((sum(t.shape[0] for t in g), *g[0].shape[1:]), g[0].stride()) for g in groups
     )
+    if isinstance(first, Q4Linear):  # one 4-bit weight of all the rows
+        packed = (
+            Q4Weight(packed[0], packed[1], packed[2] if len(packed) == 3 else None, first.fmt, first.group),
+        )
     first.__dict__["_packed_rows"] = (key, packed)
     return packed
 
 
 def packed_linear(x: torch.Tensor, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """x [..., In] @ the `packed_rows` weight .T -> [..., O1 + O2 + ...] (bf16/fp32 or MXFP8)."""
+    """x [..., In] @ the `packed_rows` weight .T -> [..., O1 + O2 + ...] (bf16/fp32, MXFP8 or 4-bit)."""
     flat = x.reshape(-1, x.shape[-1])
-    # MXFP8: values [O, In] e4m3 and scales [O, In/32]; else one weight [O, In]
-    y = mxfp8_linear(flat, *packed) if len(packed) == 2 else nn.functional.linear(flat, packed[0])
+    # MXFP8: values [O, In] e4m3 and scales [O, In/32]; 4 bits: one Q4Weight; else one weight [O, In]
+    if isinstance(packed[0], Q4Weight):
+        y = q4_linear(flat, packed[0])
+    else:
+        y = mxfp8_linear(flat, *packed) if len(packed) == 2 else nn.functional.linear(flat, packed[0])
     return y.view(*x.shape[:-1], -1)
 
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from m3lm.kernels.activation import swiglu_oai as swiglu_oai
 from m3lm.kernels.activation import swiglu_oai_ref as swiglu_oai_ref
+from m3lm.kernels.q4 import Q4Weight
 from m3lm.layers.linear import packed_linear, packed_rows
 
 
@@ -38,6 +39,10 @@ def gate_up_swiglu(
     from m3lm.kernels.fp8_triton import DEQUANT_MIN_T, mxfp8_matmul
 
     flat = x.reshape(-1, x.shape[-1])  # [T, C]
+    if isinstance(packed[0], Q4Weight) and flat.shape[0] < DEQUANT_MIN_T:  # 4 bits, likewise
+        w = packed[0]
+        y = mxfp8_matmul(flat, w.values, w.scale, act="swiglu", alpha=alpha, limit=limit, q4=w)
+        return y.view(*x.shape[:-1], -1)
     if len(packed) == 2 and flat.shape[0] < DEQUANT_MIN_T:  # MXFP8: values [2I, C], scales [2I, C/32]
         y = mxfp8_matmul(flat, *packed, act="swiglu", alpha=alpha, limit=limit)
         return y.view(*x.shape[:-1], -1)

@@ -20,13 +20,14 @@ from m3lm.config import ModelArgs
 from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.distributed.parallel import SINGLE, ParallelConfig, all_gather, all_reduce
 from m3lm.distributed.shard import check_mxfp8_split, head_ranges, part
-from m3lm.kernels.fp8 import MX_BLOCK, quantize_mxfp8
 from m3lm.kernels.moe import SPLIT_ROUTER_MIN_T, MoEOutput, moe, route, router_logits, split_bf16
+from m3lm.kernels.q4 import Q4Weight
 from m3lm.layers.heads import packed_heads
-from m3lm.layers.linear import MXFP8Linear, fp8_parameter, packed_linear, packed_rows, to_mxfp8_
+from m3lm.layers.linear import MXFP8Linear, packed_linear, packed_rows, q4_extra, to_mxfp8_
 from m3lm.layers.mlp import MLP
 from m3lm.layers.msa_attention import MSAAttention
 from m3lm.layers.norm import RMSNorm
+from m3lm.layers.quantized import experts_to_mxfp8_
 from m3lm.layers.rotary import norm_rope
 
 
@@ -118,7 +119,8 @@ class Experts(nn.Module):
     """Routed experts stacked along E: w1 gate, w3 up [E, I, C]; w2 down [E, C, I].
 
     With expert parallelism a rank holds experts first .. first+E/N-1; without, every expert's I/N.
-    8-bit (`to_mxfp8_`): the same local shapes in e4m3, plus E8M0 scales `w*_scale` [E, O, In/32].
+    Quantised (`layers.quantized`): 8-bit, the same local shapes in e4m3 plus E8M0 scales
+    `w*_scale` [E, O, In/32]; or 4-bit codes with their scales (`self.q4`: format and group).
     """
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype, parallel: ParallelConfig = SINGLE):
@@ -135,25 +137,14 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(e, i, c, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(e, c, i, dtype=dtype))
 
-    def to_mxfp8_(self, quantize: bool = False) -> None:
-        """Hold w1/w3/w2 as e4m3 with E8M0 scales `w*_scale` [E, O, In/32]: empty (to be loaded), or
-        quantised from the current weights one expert at a time (`quantize`)."""
-        for name in ("w1", "w3", "w2"):
-            w = getattr(self, name)
-            if w.shape[-1] % MX_BLOCK or w.dtype == torch.float8_e4m3fn:
-                continue
-            with torch.device(w.device):
-                q = fp8_parameter(*w.shape, dtype=torch.float8_e4m3fn)
-                s = fp8_parameter(*w.shape[:-1], w.shape[-1] // MX_BLOCK, dtype=torch.uint8)
-            if quantize:
-                with torch.no_grad():
-                    for e in range(w.shape[0]):
-                        q[e], s[e] = quantize_mxfp8(w[e])
-            setattr(self, name, q)
-            setattr(self, name + "_scale", s)
-
-    def stacked(self) -> tuple[torch.Tensor, ...]:
-        """(w1, w3, w2), or each 8-bit one followed by its scales, as `kernels.moe.moe` takes them."""
+    def stacked(self) -> tuple[torch.Tensor | Q4Weight, ...]:
+        """(w1, w3, w2), or each 8-bit one followed by its scales, or three `Q4Weight`s, as
+        `kernels.moe.moe` takes them."""
+        if hasattr(self, "q4"):
+            return tuple(
+                Q4Weight(getattr(self, n), getattr(self, n + "_scale"), q4_extra(self, n), *self.q4)
+                for n in ("w1", "w3", "w2")
+            )
         if self.w1.dtype == torch.float8_e4m3fn:
             return self.w1, self.w1_scale, self.w3, self.w3_scale, self.w2, self.w2_scale
         return self.w1, self.w3, self.w2
@@ -360,7 +351,7 @@ def keep_mxfp8_(model: MiniMaxM3, quantize: bool = False) -> MiniMaxM3:
             if owner is not None:
                 to_mxfp8_(owner, names, quantize)
         if hasattr(layer, "block_sparse_moe"):
-            layer.block_sparse_moe.experts.to_mxfp8_(quantize)
+            experts_to_mxfp8_(layer.block_sparse_moe.experts, quantize)
     return model
 
 

@@ -1,5 +1,6 @@
 """The embedded model exported to each published layout writes the same greedy text as its
-dequantised twin, through `m3lm generate` and `m3lm serve`."""
+dequantised twin, through `m3lm generate` and `m3lm serve`: dequantised at load (the CPU's
+default) and kept as stored (`--quant keep`: 4-bit and MXFP8 weights multiplied as published)."""
 
 import httpx
 import pytest
@@ -29,11 +30,13 @@ def source():
     return checkpoint_source(m3lm.DEFAULT_MODEL)
 
 
+@pytest.mark.parametrize("quant", ["auto", "keep"])
 @pytest.mark.parametrize("layout", EXPORTS)
-def test_generate_writes_the_twins_text(tmp_path, source, layout):
+def test_generate_writes_the_twins_text(tmp_path, source, layout, quant):
     export = EXPORTS[layout](tmp_path, source)
     args = ("generate", "--prompt", PROMPT, "--max-tokens", "24", "--temperature", "0", "--compile", "off")
-    got, want = cli(*args, "--model", str(export.path)), cli(*args, "--model", str(export.twin))
+    got = cli(*args, "--model", str(export.path), "--quant", quant)
+    want = cli(*args, "--model", str(export.twin))
     assert got.returncode == 0 and want.returncode == 0, got.stderr + want.stderr
     assert got.stdout == want.stdout and len(got.stdout) > len(PROMPT) + 20
 
@@ -42,8 +45,10 @@ def test_generate_writes_the_twins_text(tmp_path, source, layout):
 def test_serve_writes_the_twins_text(tmp_path, source, layout):
     export = EXPORTS[layout](tmp_path, source)
     texts = []
-    for folder in (export.path, export.twin):
-        server = Serve("--model", str(folder), "--served-model-name", "m", "--compile", "off")
+    for folder, quant in ((export.path, "keep"), (export.twin, "auto")):
+        server = Serve(
+            "--model", str(folder), "--served-model-name", "m", "--compile", "off", "--quant", quant
+        )
         try:
             server.wait_healthy()
             body = {"model": "m", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}

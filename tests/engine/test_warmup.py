@@ -180,7 +180,7 @@ def test_variants_are_read_from_each_kernels_device_caches():
     assert compiles._variants(fake()) == 3
     names = {name for name, _ in compiles._jit_functions()}
     assert "m3lm.kernels.fused._rms_norm_kernel" in names
-    assert "m3lm.kernels.moe_fp8_triton.dequant_tile" not in names  # imported, counted where defined
+    assert "m3lm.kernels.moe_fp8_triton.weight_tile" not in names  # imported, counted where defined
 
 
 def test_warm_up_is_a_no_op_on_the_cpu(tiny_path):

@@ -1,5 +1,7 @@
 """MXFP8 weights kept in 8 bits (CPU reference path), the loader's 8-bit path, the FP8 index-key cache."""
 
+import copy
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -142,3 +144,39 @@ def test_quantising_a_built_model_matches_its_dequantised_copy():
     ids = torch.randint(0, args.vocab_size, (1, 150), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         assert torch.allclose(model(ids), ref(ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "affine4"])
+def test_quantising_a_built_model_to_4_bits_matches_its_dequantised_copy(fmt):
+    """`quantize_q4_` (the bench's 4-bit slices) holds each export's modules in 4 bits (MXFP8
+    around the MXFP4 experts) and computes with their dequantised values."""
+    from m3lm.kernels.fp8 import dequant_mxfp8
+    from m3lm.kernels.q4 import Q4Weight, dequant_q4
+    from m3lm.layers.linear import MXFP8Linear, Q4Linear, q4_extra
+    from m3lm.layers.quantized import quantize_q4_
+    from m3lm.models.minimax_m3 import MiniMaxM3, random_init_
+
+    args = m3lm.ModelArgs.from_file(m3lm.DEFAULT_MODEL / "config.json")
+    model = random_init_(MiniMaxM3(args), seed=1)
+    ref = copy.deepcopy(model)
+    quantize_q4_(model, fmt, group=32)
+    kept = 0
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, Q4Linear):
+                ref.get_submodule(name).weight.copy_(dequant_q4(m.q4()))
+            elif isinstance(m, MXFP8Linear):
+                ref.get_submodule(name).weight.copy_(dequant_mxfp8(m.weight, m.weight_scale))
+            elif hasattr(m, "q4"):  # routed experts
+                for w in ("w1", "w3", "w2"):
+                    q = Q4Weight(getattr(m, w), getattr(m, w + "_scale"), q4_extra(m, w), *m.q4)
+                    getattr(ref.get_submodule(name), w).copy_(dequant_q4(q))
+            else:
+                continue
+            kept += 1
+    assert kept > 2 * args.num_hidden_layers
+    assert any(isinstance(m, MXFP8Linear) for m in model.modules()) == (fmt == "mxfp4")
+    ids = torch.randint(0, args.vocab_size, (1, 150), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got, want = model(ids), ref(ids)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5

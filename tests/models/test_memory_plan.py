@@ -23,16 +23,20 @@ def export(tmp_path_factory):
 
 @pytest.mark.parametrize(("gpus", "ep"), [(1, False), (2, False), (2, True)])
 def test_weights_per_gpu_are_what_each_rank_loads(export, gpus, ep):
-    """The fullest rank's resident bytes when the NVFP4 export is loaded in bf16 (dequantised),
-    and the export's twin (the same weights in a float checkpoint) plans the same."""
+    """The fullest rank's resident bytes as a GPU loads the NVFP4 export: on one GPU its 4-bit
+    weights kept as stored, on several dequantised to bf16; the export's twin (the same weights
+    in a float checkpoint) plans as the dequantised export."""
     plan = plan_memory(export.path, gpus, 10**9, expert_parallel=ep)
+    quant = "keep" if gpus == 1 else "none"  # what "auto" does on a GPU
     loaded = [
-        load_model(export.path, "cpu", torch.bfloat16, parallel=ParallelConfig(gpus, r, ep))
+        load_model(export.path, "cpu", torch.bfloat16, quant=quant, parallel=ParallelConfig(gpus, r, ep))
         for r in range(gpus)
     ]
     assert plan.weight_bytes == max(sum(weight_bytes(m).values()) for m in loaded)
-    assert plan.quant is None and plan.scheme == "modelopt"
-    assert plan_memory(export.twin, gpus, 10**9, expert_parallel=ep).weight_bytes == plan.weight_bytes
+    assert plan.quant == (None if gpus > 1 else "keep") and plan.scheme == "modelopt"
+    twin = plan_memory(export.twin, gpus, 10**9, expert_parallel=ep).weight_bytes
+    dequantised = plan_memory(export.path, gpus, 10**9, expert_parallel=ep, quant="none").weight_bytes
+    assert twin == dequantised and (plan.weight_bytes < twin if gpus == 1 else plan.weight_bytes == twin)
 
 
 def test_kv_cache_is_what_the_gpu_has_left_in_whole_pages(export):

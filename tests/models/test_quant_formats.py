@@ -296,3 +296,51 @@ def test_a_corrupt_hf_quant_config_is_one_line_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="hf_quant_config.json: not valid JSON") as e:
         m3lm.load(export.path, device="cpu")
     assert "\n" not in str(e.value)
+
+
+# --- weights kept as stored (quant="keep": 4-bit and MXFP8 multiplied as published) ------------
+
+KEPT = {
+    "MLX 4-bit, attention 8-bit": lambda root: mlx_export(root, 4, 64, MLX_CASES["4-bit, attention 8-bit, lm_head kept"][2]),
+    "Model Optimizer NVFP4": lambda root: modelopt_nvfp4_export(root, True),
+    "compressed-tensors MXFP4": ct_mxfp4_export,
+}  # fmt: skip
+
+
+def decoder_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+
+
+@pytest.mark.parametrize("layout", KEPT)
+def test_weights_kept_as_stored_compute_the_dequantised_twin(tmp_path, layout):
+    """Every 4-bit module keeps its codes and scales (a Q4Linear, or 4-bit routed experts), MXFP8
+    modules their e4m3 values; the logits are the twin's within rounding, greedy text identical."""
+    from m3lm.layers.linear import MXFP8Linear, Q4Linear
+
+    model, twin = assert_twin(KEPT[layout](tmp_path), quant="keep")
+    experts = model.model.layers[1].block_sparse_moe.experts
+    assert experts.q4[0] in ("affine4", "nvfp4", "mxfp4") and experts.w1.dtype == torch.uint8
+    kinds = {type(m) for m in model.modules()}
+    assert (Q4Linear in kinds) == (not layout.startswith("compressed"))  # its MXFP4: the experts alone
+    assert (MXFP8Linear in kinds) == layout.startswith("compressed")
+    assert decoder_bytes(model) < 0.5 * decoder_bytes(twin)
+
+
+def test_a_4_bit_slice_keeps_at_most_030x_of_bf16(tmp_path):
+    """MLX 4-bit with groups of 64 (the common export): the decoder layers' resident bytes
+    (codes, scales and biases; norms and router as they are) against the same layers in bf16."""
+    export = mlx_export(tmp_path, 4, 64, {})
+    kept, _ = m3lm.load(export.path, device="cpu", dtype=torch.bfloat16, quant="keep")
+    plain, _ = m3lm.load(export.path, device="cpu", dtype=torch.bfloat16, quant="none")
+    ratio = decoder_bytes(kept) / decoder_bytes(plain)
+    assert ratio <= 0.30, ratio
+
+
+def test_keep_is_refused_under_parallelism_and_auto_dequantises_on_the_cpu(tmp_path):
+    from m3lm.distributed.parallel import ParallelConfig
+
+    export = modelopt_nvfp4_export(tmp_path, True)
+    with pytest.raises(ValueError, match="keep.*one device"):
+        m3lm.load(export.path, device="cpu", quant="keep", parallel=ParallelConfig(2, 0, False))
+    model, _ = m3lm.load(export.path, device="cpu")
+    assert model.model.layers[1].block_sparse_moe.experts.w1.dtype == torch.float32
