@@ -125,16 +125,57 @@ def weight_tile(
         else:
             w = tl.load(w_ptrs, mask=row_ok[:, None] & (kk[None, :] < KDIM), other=0.0)
             s = tl.load(s_ptrs, mask=row_ok[:, None] & (kb[None, :] < KDIM // 32), other=0)
-        return dequant_tile(w, s, rows.shape[0], BK)
-    return q4_tile(q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK)
+        tile = dequant_tile(w, s, rows.shape[0], BK)
+    else:
+        lo, hi = q4_halves(
+            q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK
+        )
+        tile = tl.reshape(tl.join(lo, hi), (rows.shape[0], BK))  # inputs in order: 2j, 2j + 1
+    return tile
 
 
 @triton.jit
-def q4_tile(
+def row_products(
+    wide, wide4, x_ptr, q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo,
+    FMT: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """One K step of a GEMV on the CUDA cores for one row of x (x_ptr): MXFP8 adds W * x to wide
+    [R, BK]; 4 bits add W_even * x_even + W_odd * x_odd to wide4 [R, BK/2], the nibbles never
+    interleaved. Per-lane sums, reduced over K once at the end (`row_sums`)."""
+    if FMT == 0:
+        kk = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + kk, mask=kk < KDIM, other=0.0).to(tl.float32)
+        wide += x[None, :] * weight_tile(
+            q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK
+        )
+    else:
+        lo, hi = q4_halves(
+            q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK
+        )
+        ke = k0 + 2 * tl.arange(0, BK // 2)
+        xe = tl.load(x_ptr + ke, mask=ke < KDIM, other=0.0).to(tl.float32)
+        xo = tl.load(x_ptr + ke + 1, mask=ke < KDIM, other=0.0).to(tl.float32)
+        wide4 += lo * xe[None, :] + hi * xo[None, :]
+    return wide, wide4
+
+
+@triton.jit
+def row_sums(wide, wide4, FMT: tl.constexpr):
+    """The GEMV's outputs [R] from `row_products`' per-lane sums."""
+    if FMT == 0:  # noqa: SIM108 (a statement: only the constant branch is compiled)
+        out = tl.sum(wide, axis=1)
+    else:
+        out = tl.sum(wide4, axis=1)
+    return out
+
+
+@triton.jit
+def q4_halves(
     q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo,
     FMT: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """`weight_tile` of a 4-bit weight: byte j of a row holds inputs 2j (low nibble) and 2j + 1."""
+    """A 4-bit weight's rows `rows` [R], inputs k0..k0+BK, dequantised as two fp32 [R, BK/2]
+    halves: inputs k0 + 2j (byte j's low nibble) and k0 + 2j + 1 (its high nibble)."""
     R: tl.constexpr = rows.shape[0]
     kp = k0 // 2 + tl.arange(0, BK // 2)
     kb = k0 // GROUP + tl.arange(0, BK // GROUP)
@@ -153,20 +194,24 @@ def q4_tile(
     else:
         lo = e2m1(p & 15)
         hi = e2m1(p >> 4)
-    w = tl.reshape(tl.join(lo, hi), (R, BK // GROUP, GROUP))  # inputs in order: 2j, 2j + 1
+    lo = tl.reshape(lo, (R, BK // GROUP, GROUP // 2))  # each scale group: GROUP / 2 bytes
+    hi = tl.reshape(hi, (R, BK // GROUP, GROUP // 2))
     if FMT == 1:
-        w = w * tl.exp2(s.to(tl.float32) - 127.0)[:, :, None]
+        f = tl.exp2(s.to(tl.float32) - 127.0)[:, :, None]
+        lo, hi = lo * f, hi * f
     elif FMT == 2:
-        g = tl.load(b_ptr + rows * s_bo, mask=row_ok, other=0.0)
-        w = (w * s.to(tl.float32)[:, :, None]) * g[:, None, None]
+        f = s.to(tl.float32)[:, :, None]
+        g = tl.load(b_ptr + rows * s_bo, mask=row_ok, other=0.0)[:, None, None]
+        lo, hi = (lo * f) * g, (hi * f) * g
     else:
         b_ptrs = b_ptr + rows[:, None] * s_bo + kb[None, :]
         if EVEN_K:
             b = tl.load(b_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             b = tl.load(b_ptrs, mask=row_ok[:, None] & (kb[None, :] < KDIM // GROUP), other=0.0)
-        w = w * s.to(tl.float32)[:, :, None] + b.to(tl.float32)[:, :, None]
-    return tl.reshape(w, (R, BK))
+        f, b = s.to(tl.float32)[:, :, None], b.to(tl.float32)[:, :, None]
+        lo, hi = lo * f + b, hi * f + b
+    return tl.reshape(lo, (R, BK // 2)), tl.reshape(hi, (R, BK // 2))
 
 
 @triton.jit
@@ -223,29 +268,33 @@ def _mxfp8_gemv_kernel(
     offs_t = tl.arange(0, BT)
     acc = tl.zeros([G * BN, BT], tl.float32)
     wide = tl.zeros([G * BN, BK], tl.float32)  # T = 1 on CUDA cores: per-lane sums, reduced at the end
+    wide4 = tl.zeros([G * BN, BK // 2], tl.float32)  # the same for 4-bit weights (`row_products`)
     # An explicit pipelining depth: by default only the loads that feed a dot are prefetched.
     for k0 in tl.range(0, KLOOP if KLOOP else KDIM, BK, num_stages=STAGES):
         kk = k0 + tl.arange(0, BK)
-        w = weight_tile(
-            q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK
-        )  # [G*BN, BK]
-        if DOT:  # [G*BN, BK] @ [BK, 16]: the weight on the tensor cores' wide side
-            x = tl.load(
-                x_ptr + offs_t[:, None] * s_xt + kk[None, :],
-                mask=(offs_t[:, None] < T) & (kk[None, :] < KDIM),
-                other=0.0,
-            )
-            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PREC)
-        elif BT == 1:
-            x = tl.load(x_ptr + kk, mask=kk < KDIM, other=0.0)
-            wide += w * x[None, :].to(tl.float32)
+        if BT == 1 and not DOT:
+            wide, wide4 = row_products(
+                wide, wide4, x_ptr, q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo,
+                FMT, GROUP, EVEN_K, BK,
+            )  # fmt: skip
         else:
-            for r in tl.static_range(BT):
-                x = tl.load(x_ptr + r * s_xt + kk, mask=(kk < KDIM) & (r < T), other=0.0)
-                dots = tl.sum(w * x[None, :].to(tl.float32), axis=1)  # [G*BN]
-                acc += tl.where(offs_t[None, :] == r, dots[:, None], 0.0)
+            w = weight_tile(
+                q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK
+            )  # [G*BN, BK]
+            if DOT:  # [G*BN, BK] @ [BK, 16]: the weight on the tensor cores' wide side
+                x = tl.load(
+                    x_ptr + offs_t[:, None] * s_xt + kk[None, :],
+                    mask=(offs_t[:, None] < T) & (kk[None, :] < KDIM),
+                    other=0.0,
+                )
+                acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PREC)
+            else:
+                for r in tl.static_range(BT):
+                    x = tl.load(x_ptr + r * s_xt + kk, mask=(kk < KDIM) & (r < T), other=0.0)
+                    dots = tl.sum(w * x[None, :].to(tl.float32), axis=1)  # [G*BN]
+                    acc += tl.where(offs_t[None, :] == r, dots[:, None], 0.0)
     if BT == 1 and not DOT:
-        acc = tl.sum(wide, axis=1)[:, None]
+        acc = row_sums(wide, wide4, FMT)[:, None]
     if G == 2:  # [2*BN, BT]: gate rows, then up rows
         gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BN, BT)), (1, 2, 0)))
         acc = swiglu(gate, up, alpha, limit)

@@ -14,7 +14,7 @@ import torch
 
 from m3lm.kernels.activation import swiglu_oai
 from m3lm.kernels.fp8 import dequant_mxfp8
-from m3lm.kernels.q4 import Q4Weight, dequant_q4
+from m3lm.kernels.q4 import Q4Weight, dequant_q4, dequantize_q4
 
 # From this many tokens (prefill) the GPU computes bf16 activations' router logits as three bf16
 # products (`split_bf16`) on the tensor cores; below it the fp32 weight is read once (decode).
@@ -133,8 +133,13 @@ def moe(
     )  # weight-only FP8 experts (dequantised on the CPU)
     experts = moe_experts_q4 if q4 else moe_experts_mxfp8 if fp8 else moe_experts_ref
     if x.is_cuda and first is None and q4:
+        from m3lm.kernels.fp8_triton import DEQUANT_MIN_T
         from m3lm.kernels.moe_fp8_triton import moe_pairs_q4
+        from m3lm.kernels.moe_triton import moe_pairs
 
+        if x.shape[0] >= DEQUANT_MIN_T:  # a prefill: the experts dequantised once, then bf16's kernels
+            deq = [dequantize_q4(w, x.dtype) for w in stacked]
+            return MoEOutput(moe_pairs(x, ids, *deq, alpha, limit), shared(x), scaling, weights)
         return MoEOutput(moe_pairs_q4(x, weights, ids, *stacked, alpha, limit), shared(x), scaling)
     if x.is_cuda and first is None:
         # Triton (imported here so CPU installs need no Triton): the grouped GEMMs leave one

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3lm.kernels.fp8_triton import FORMAT_CODES, swiglu, weight_tile
+from m3lm.kernels.fp8_triton import FORMAT_CODES, row_products, row_sums, swiglu, weight_tile
 from m3lm.kernels.host import precision
 from m3lm.kernels.moe_triton import align, row_blocks
 from m3lm.kernels.q4 import Q4Weight
@@ -208,21 +208,54 @@ def _pair_gemv_kernel(
     q1b, q3b = b1_ptr + e * s_be, b3_ptr + e * s_be  # 4-bit biases or row factors: never shared
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = offs_n < N
-    wide1 = tl.zeros([BN, BK], tl.float32)
+    wide1 = tl.zeros([BN, BK], tl.float32)  # per-lane sums (`row_products`): MXFP8
     wide3 = tl.zeros([BN, BK], tl.float32)
+    half1 = tl.zeros([BN, BK // 2], tl.float32)  # and 4 bits
+    half3 = tl.zeros([BN, BK // 2], tl.float32)
+    x_row = a_ptr + row * s_am
     for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
-        kk = k0 + tl.arange(0, BK)
-        x = tl.load(a_ptr + row * s_am + kk, mask=kk < KDIM, other=0.0).to(tl.float32)[None, :]
-        wide1 += x * weight_tile(
-            q1, q1s, q1b, offs_n, n_ok, k0, KDIM, s_wn, s_sn, s_bn, FMT, GROUP, EVEN_K, BK
+        wide1, half1 = row_products(
+            wide1,
+            half1,
+            x_row,
+            q1,
+            q1s,
+            q1b,
+            offs_n,
+            n_ok,
+            k0,
+            KDIM,
+            s_wn,
+            s_sn,
+            s_bn,
+            FMT,
+            GROUP,
+            EVEN_K,
+            BK,
         )
         if G == 2:
-            wide3 += x * weight_tile(
-                q3, q3s, q3b, offs_n, n_ok, k0, KDIM, s_wn, s_sn, s_bn, FMT, GROUP, EVEN_K, BK
+            wide3, half3 = row_products(
+                wide3,
+                half3,
+                x_row,
+                q3,
+                q3s,
+                q3b,
+                offs_n,
+                n_ok,
+                k0,
+                KDIM,
+                s_wn,
+                s_sn,
+                s_bn,
+                FMT,
+                GROUP,
+                EVEN_K,
+                BK,
             )
-    acc = tl.sum(wide1, axis=1)  # [BN]
+    acc = row_sums(wide1, half1, FMT)  # [BN]
     if G == 2:
-        acc = swiglu(acc, tl.sum(wide3, axis=1), alpha, limit)
+        acc = swiglu(acc, row_sums(wide3, half3, FMT), alpha, limit)
     if SCALE:
         weight = tl.load(scale_ptr + tl.minimum(pair, M - 1))
         acc = tl.where(shared, acc.to(a_ptr.dtype.element_ty).to(tl.float32), acc * weight)

@@ -68,6 +68,20 @@ def dequant_q4(w: Q4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return out.flatten(-2).to(dtype)
 
 
+def dequantize_q4(w: Q4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """`dequant_q4` of a weight or a stack [..., O, In/2]; on the GPU in one launch (`fp8_triton`)."""
+    if not w.values.is_cuda:
+        return dequant_q4(w, dtype)
+    from m3lm.kernels.fp8_triton import dequantize
+
+    rows = w.values.shape[-1]
+    flat = Q4Weight(
+        w.values.reshape(-1, rows), w.scale.reshape(-1, w.scale.shape[-1]),
+        None if w.extra is None else w.extra.reshape(-1, *w.extra.shape[w.values.dim() - 1 :]), w.fmt, w.group,
+    )  # fmt: skip
+    return dequantize(flat.values, flat.scale, dtype, flat).view(w.shape)
+
+
 def q4_linear(x: torch.Tensor, w: Q4Weight) -> torch.Tensor:
     """y = x @ W.T: x [..., In] -> [..., O]. GPU: the weight-only kernel of `fp8_triton`
     (dequantised in registers); CPU: the weight dequantised to x's dtype, then multiplied."""

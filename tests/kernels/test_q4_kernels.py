@@ -109,3 +109,23 @@ def test_q4_fused_moe_matches_reference(device, fmt, group, dtype, t, e, a, c, i
     out = moe_pairs_q4(x, weights, ids, w1, w3, w2, 1.702, 7.0)
     ref = weighted_pairs_ref(x, weights, ids, *(dequant_q4(w) for w in (w1, w3, w2)))
     assert rel(out, ref) < (1e-4 if dtype == F32 else 2e-2)
+
+
+@targets(
+    "fmt, group",
+    cuda=[(fmt, group) for fmt, group in FORMATS],
+    interpreter=[],
+)
+def test_q4_moe_prefill_dequantises_the_experts_once(device, fmt, group):
+    """From DEQUANT_MIN_T tokens `moe` multiplies the experts dequantised to bf16 (one launch
+    each) with bf16's kernels: the layer's output matches the reference on the dequantised weights."""
+    from m3lm.kernels.moe import moe
+
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    t, e, a, c, i = DEQUANT_MIN_T + 100, 16, 4, 256, 128
+    x = torch.randn(t, c, generator=gen).to(device, BF16)
+    w1, w3, w2 = (q4_weight(gen, device, fmt, group, *shape) for shape in ((e, i, c), (e, i, c), (e, c, i)))
+    weights, ids = route_ref(torch.randn(t, e, generator=gen).to(device), torch.zeros(e, device=device), a)
+    out = moe(x, weights, ids, (w1, w3, w2), lambda h: torch.zeros_like(h), 1.702, 7.0, 2.0)
+    ref = 2.0 * weighted_pairs_ref(x, weights, ids, *(dequant_q4(w) for w in (w1, w3, w2))).sum(1)
+    assert rel(out.sum(), ref) < 2e-2
