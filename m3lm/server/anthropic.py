@@ -21,8 +21,10 @@ The mapping:
   function, with the same enforcement (`parsers.plan_tool_choice`); `disable_parallel_tool_use`
   is `parallel_tool_calls: false`;
 - `output_config.format` (a JSON schema) is chat's `response_format`, with the same support;
-  `output_config.effort` (`low` / `medium` / `high` / `max`) is a thinking mode and a reasoning
-  budget (`effort.EFFORTS`: 512 / 2048 / 8192 tokens / unbounded) where `thinking` sets neither;
+  `output_config.effort` is chat's `reasoning_effort`, a level of the served model's
+  (`effort.Efforts`): on M3 (`low` / `medium` / `high` / `max`) a thinking mode and a reasoning
+  budget (512 / 2048 / 8192 tokens / unbounded) where `thinking` sets neither; on M3.1-Flash
+  (`xhigh` too) the template's `reasoning_effort`, and `thinking` `disabled` is refused;
 - `stop_sequences` are stop strings on the answer; `metadata`, `service_tier` and other fields
   are accepted and ignored (logged once); a final assistant message (prefill) is refused.
 
@@ -47,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from m3lm.engine.async_engine import RequestStream
 from m3lm.server.choice import Choice
-from m3lm.server.effort import apply_effort
+from m3lm.server.effort import ANTHROPIC_FIELD
 from m3lm.server.handlers import (
     ApiError,
     ServerState,
@@ -151,7 +153,7 @@ class ThinkingConfig(_Block):
 
 
 class OutputConfig(_Block):
-    effort: Literal["low", "medium", "high", "max"] | None = None  # `effort.EFFORTS`
+    effort: str | None = None  # a level of the served model's (`effort.Efforts`)
     format: dict[str, Any] | None = None
 
 
@@ -323,7 +325,7 @@ def chat_request(req: CountTokensRequest, signer: ThinkingSigner) -> ChatComplet
             if budget < 1 or budget >= req.max_tokens:
                 raise ValueError("`max_tokens` must be greater than `thinking.budget_tokens`")
             body["thinking_token_budget"] = budget
-    apply_effort(body, req.output_config.effort if req.output_config else None)  # after `thinking`: it wins
+    body["reasoning_effort"] = req.output_config.effort if req.output_config else None  # `thinking` wins
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
@@ -432,7 +434,7 @@ async def create_message(state: ServerState, signer: ThinkingSigner, req: Messag
         chat = chat_request(req, signer)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    prompt = await prepare_chat(state, chat, request)
+    prompt = await prepare_chat(state, chat, request, ANTHROPIC_FIELD)
     slots, choices = admit_chat(state, prompt, request)
     rid = "msg_" + secrets.token_hex(12)
     model = req.model or state.model_name
@@ -527,5 +529,5 @@ def register(app: FastAPI, state: ServerState, check_model: Callable[[str | None
             chat = chat_request(req, signer)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        prompt = await prepare_chat(state, chat, request)
+        prompt = await prepare_chat(state, chat, request, ANTHROPIC_FIELD)
         return {"input_tokens": len(prompt.ids)}

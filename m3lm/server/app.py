@@ -33,6 +33,7 @@ from m3lm.server import anthropic, responses, web
 from m3lm.server.asgi import ApiKeyAuth, DrainingServer, JsonErrors, RequestLimits, guarded_h11
 from m3lm.server.chat_completions import chat_completion
 from m3lm.server.completions import completion
+from m3lm.server.effort import efforts_of
 from m3lm.server.handlers import ApiError, ServerState
 from m3lm.server.lifecycle import bind, stop_on_signals
 from m3lm.server.metrics import Metrics
@@ -68,7 +69,8 @@ def build_app(
             fmt = ReplyFormat.from_tokenizer(tokenizer.hf)
         except ValueError:
             log.info("the tokenizer has no reasoning/tool-call markers: replies are plain content")
-    state = ServerState(engine, tokenizer, model_name, limits, metrics, engine.default_params(), fmt)
+    efforts = efforts_of(tokenizer.hf.chat_template) if tokenizer is not None else None
+    state = ServerState(engine, tokenizer, model_name, limits, metrics, engine.default_params(), fmt, efforts)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -150,14 +152,15 @@ def build_app(
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "m3lm"}
 
     def sized_card() -> dict:
-        """The card with the context length (vLLM's field) and the capacity: sequences run at
-        once and tokens the KV cache holds."""
+        """The card with the context length (vLLM's field), the capacity (sequences run at once
+        and tokens the KV cache holds) and, for a model with a chat template, its effort levels."""
         info = engine.info
         return {
             **card,
             "max_model_len": state.max_model_len,
             "max_num_seqs": info.max_num_seqs,
             "kv_cache_tokens": info.kv_tokens,
+            **(efforts.card() if efforts is not None else {}),
         }
 
     @app.get("/v1/models", responses=common)
@@ -208,14 +211,16 @@ def build_app(
             if req.messages is not None:
                 msgs = template_messages([m.for_template() for m in req.messages])
                 tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-                ids = await run_in_threadpool(
-                    tokenizer.chat_prompt, msgs, tools, True, req.chat_template_kwargs, limit
-                )
+                # as chat renders it: an M3.1-Flash template gets its default effort
+                kwargs = req.chat_template_kwargs
+                if efforts is not None:
+                    kwargs, _ = efforts.resolve(None, "reasoning_effort", kwargs, None)
+                ids = await run_in_threadpool(tokenizer.chat_prompt, msgs, tools, True, kwargs, limit)
             else:
                 tokenizer.check_fits(req.prompt, limit)
                 ids = await run_in_threadpool(tokenizer.encode, req.prompt)
         except ValueError as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
         if len(ids) > limit:  # what cannot be a prompt is not listed: the answer stays small
             raise ApiError(400, f"the text has {len(ids)} tokens; a prompt holds at most {limit}")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}

@@ -35,6 +35,7 @@ from m3lm.server.choice import (
     token_logprobs,
     vllm_prompt_logprobs,
 )
+from m3lm.server.effort import Efforts
 from m3lm.server.grammar_checks import ChecksBusy, GrammarChecks
 from m3lm.server.metrics import Metrics
 from m3lm.server.protocol import ChatCompletionRequest, Limits, error_body, error_body_for
@@ -49,13 +50,19 @@ log = logging.getLogger("m3lm.server")
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error", headers: dict | None = None
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        headers: dict | None = None,
+        param: str | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.headers = status, message, type_, headers or {}
+        self.param = param
 
     def response(self, path: str = "") -> JSONResponse:
-        body = error_body_for(path, self.message, self.type, status=self.status)
+        body = error_body_for(path, self.message, self.type, self.param, self.status)
         return JSONResponse(body, self.status, headers=self.headers)
 
 
@@ -68,6 +75,7 @@ class ServerState:
     metrics: Metrics
     defaults: SamplingParams
     fmt: ReplyFormat | None = None
+    efforts: Efforts | None = None  # the served model's effort levels (None: no chat template)
     draining: bool = False
     salt_by_tenant: bool = False  # prefix-cache pages shared only among requests with one API key
     checks: GrammarChecks = field(default_factory=GrammarChecks)  # structured output's, bounded
@@ -270,13 +278,19 @@ class ChatPrompt:
     n: int
 
 
-async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request: Request) -> ChatPrompt:
-    """Validate and render a chat request (400 for what cannot be served); nothing is admitted."""
+async def prepare_chat(
+    state: ServerState, req: ChatCompletionRequest, request: Request, effort_field: str = "reasoning_effort"
+) -> ChatPrompt:
+    """Validate and render a chat request (400 for what cannot be served); nothing is admitted.
+    `effort_field`: what the request's API calls its `reasoning_effort`."""
     tok = state.tokenizer
-    if tok is None or not tok.has_chat_template:
+    if tok is None or not tok.has_chat_template or state.efforts is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools or []]
     try:
+        req.chat_template_kwargs, req.thinking_token_budget = state.efforts.resolve(
+            req.reasoning_effort, effort_field, req.chat_template_kwargs, req.thinking_token_budget
+        )
         req.check_limits(state.limits)
         req.cache_salt = tenant_salt(state, request, req.cache_salt)
         plan = plan_tool_choice(tool_dicts, req.tool_choice, req.parallel_tool_calls)
@@ -299,7 +313,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, request: 
         await check_rules(state, request, rules)
         params = replace(params, structured=rules, thinking=thinking)
     except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     return ChatPrompt(prompt_ids, params, plan, tool_dicts, req.stops(), req.n)
 
 

@@ -16,7 +16,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from m3lm.core import SamplingParams
-from m3lm.server.effort import EFFORTS, Effort, apply_effort
 
 log = logging.getLogger("m3lm.server")
 _warned_fields: set[str] = set()  # unknown names already logged, at most _MAX_WARNED of them
@@ -359,15 +358,8 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's field: reasoning tokens after which the closer is forced
     thinking_token_budget: int | None = Field(None, ge=0)
-    reasoning_effort: Effort | None = None  # a thinking mode and budget (`effort.EFFORTS`)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _effort(cls, data: Any) -> Any:
-        effort = data.get("reasoning_effort") if isinstance(data, dict) else None
-        if isinstance(effort, str) and effort in EFFORTS:  # anything else: the field's own 400
-            return apply_effort(dict(data), effort)
-        return data
+    # a level of the served model's (`effort.Efforts`), applied when the request is prepared
+    reasoning_effort: str | None = None
 
     def check_limits(self, limits: Limits) -> None:
         super().check_limits(limits)

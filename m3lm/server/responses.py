@@ -157,6 +157,8 @@ class _Reply:
         self.req, self.prompt_tokens, self.history = req, prompt_tokens, history
         self.id, self.created = _id("resp_"), int(time.time())
         self.model = req.model or state.model_name
+        effort = req.reasoning.effort if req.reasoning else None
+        self.effort = state.efforts.effective(effort) if state.efforts is not None else effort
         self.out = OutputItems(chat_tools(req.tools or [])[1])
 
     def body(self, status: str, c: Choice | None = None, error: dict | None = None) -> dict:
@@ -184,7 +186,7 @@ class _Reply:
             "output": copy.deepcopy(self.out.items),
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+            "reasoning": {"effort": self.effort, "summary": None},
             "store": req.store is not False,
             "temperature": req.temperature,
             "top_p": req.top_p,
@@ -219,7 +221,7 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
         chat = chat_request(req, history)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    prompt = await prepare_chat(state, chat, request)
+    prompt = await prepare_chat(state, chat, request, "reasoning.effort")
     slots, choices = admit_chat(state, prompt, request)
     reply = _Reply(state, req, len(prompt.ids), history)
     c = choices[0]

@@ -6,9 +6,10 @@ The mapping:
   newlines); `function_call` items are the assistant's tool calls and `function_call_output`
   items tool messages; `reasoning` items sent back are the turn's reasoning (their
   `reasoning_text` content, else their summary text);
-- `reasoning.effort` is a thinking mode and a reasoning budget (`effort.EFFORTS`: `none` and
-  `minimal` no reasoning, `low` / `medium` / `high` 512 / 2048 / 8192 tokens, `xhigh` and `max`
-  unbounded); without it the template's default (adaptive) holds;
+- `reasoning.effort` is chat's `reasoning_effort`, a level of the served model's (`effort.Efforts`:
+  on M3 a thinking mode and a reasoning budget, `none` and `minimal` no reasoning, `low` /
+  `medium` / `high` 512 / 2048 / 8192 tokens, `xhigh` and `max` unbounded, and without it the
+  template's default (adaptive) holds; on M3.1-Flash the template's `reasoning_effort`);
 - function `tools`, `tool_choice` (`auto`, `none`, `required`, a named function) and
   `parallel_tool_calls` as in chat, with the same enforcement; a `namespace` tool's functions
   (Codex's MCP servers) join them as `NAMESPACE__NAME`, and their calls come back with
@@ -34,7 +35,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
-from m3lm.server.effort import Effort, apply_effort
 from m3lm.server.protocol import ChatCompletionRequest, _Body, check_text_parts
 
 log = logging.getLogger("m3lm.server")
@@ -103,7 +103,7 @@ class FunctionTool(_Item):
 
 
 class ReasoningConfig(_Item):
-    effort: Effort | None = None
+    effort: str | None = None  # a level of the served model's (`effort.Efforts`)
     summary: str | None = None
 
 
@@ -308,8 +308,8 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRe
         "top_p": req.top_p,
         "stream": req.stream,
         "response_format": _response_format(req.text.format if req.text else None),
+        "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
     }
-    apply_effort(body, req.reasoning.effort if req.reasoning is not None else None)
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:

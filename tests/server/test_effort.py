@@ -4,12 +4,16 @@ are the thinking mode and budget of `effort.EFFORTS`, enforced as chat's `thinki
 and a mode or budget the request gives itself wins. The story model ends its reasoning with its
 end-of-text token, not a closer, so the budgets show as reasoning lengths with `ignore_eos`."""
 
+import json
+
 import anthropic
 import openai
 import pytest
 
-from m3lm.server.effort import EFFORTS
+import m3lm
+from m3lm.server.effort import EFFORTS, FLASH_EFFORTS, M3_EFFORTS, efforts_of
 from tests.support.live_server import API_KEY
+from tests.support.paths import FIXTURES
 from tests.support.story_server import NAME
 
 STORY_CONTEXT = 1024
@@ -120,3 +124,21 @@ def test_anthropic_effort_is_the_same_budget_and_thinking_wins(openai_client, an
 def test_an_unknown_effort_is_a_400(openai_client, effort):
     with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
         chat(openai_client, reasoning_effort=effort)
+
+
+def test_the_m3_card_states_its_vocabulary_and_no_default(openai_client):
+    card = openai_client.models.retrieve(NAME).model_extra
+    assert card["reasoning_efforts"] == list(EFFORTS) and card["default_reasoning_effort"] is None
+
+
+def test_a_template_that_reads_reasoning_effort_is_m3_1_flashs():
+    templates = [m3lm.DEFAULT_MODEL / "tokenizer_config.json", *FIXTURES.glob("*/tokenizer_config.json")]
+    for path in templates:  # the story model's and the fixtures' M3 templates
+        assert efforts_of(json.loads(path.read_text())["chat_template"]) is M3_EFFORTS, path
+    template = json.loads(templates[0].read_text())["chat_template"]
+    flash = template.replace("' ~ mode ~ '", "' ~ mode ~ reasoning_effort ~ '")
+    assert efforts_of(flash) is FLASH_EFFORTS
+    assert efforts_of({"default": template, "tool_use": flash}) is FLASH_EFFORTS
+    assert efforts_of("{% set reasoning_effort = 'x' %}{{ reasoning_effort }}") is M3_EFFORTS  # its own
+    assert efforts_of("{{ reasoning_effort") is M3_EFFORTS  # a broken template: rendering says why
+    assert efforts_of(None) is None and efforts_of("") is None
