@@ -26,7 +26,7 @@ PREFIX = " ".join(["Lily and her dog Max walked to the park to play with a big r
 
 @pytest.fixture(scope="module")
 def client():
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20)  # the least Ray allows
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
