@@ -339,26 +339,17 @@ def _api_keys(value: str | None) -> list[str] | None:
     return keys or None
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-
-    from m3lm.server.app import serve
+def serve_settings(args: argparse.Namespace) -> dict:
+    """`m3lm serve`'s flags as `server.app.serve`'s arguments, less the host and the port (also
+    what each Ray Serve replica starts from: `serve_ray.py`)."""
     from m3lm.server.protocol import Limits
 
+    _default_model(args)
     keys = _api_keys(args.api_key or os.environ.get("M3LM_API_KEY"))
     if args.cache_salt_by_api_key and not keys:
         raise M3lmError("--cache-salt-by-api-key needs --api-key (or M3LM_API_KEY)")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not keys and not _loopback(args.host):
-        logging.getLogger("m3lm.server").warning(
-            "--host %s without --api-key: anyone who can reach this machine can use the server; "
-            "set --api-key (or M3LM_API_KEY)",
-            args.host,
-        )
-    serve(
-        load_spec(args),
-        host=args.host,
-        port=args.port,
+    return dict(
+        load=load_spec(args),
         api_key=keys,
         cache_salt_by_api_key=args.cache_salt_by_api_key,
         served_model_name=args.served_model_name,
@@ -379,6 +370,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         web_ui=args.web_ui,
         **_pool(args),
     )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from m3lm.server.app import serve
+
+    settings = serve_settings(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not settings["api_key"] and not _loopback(args.host):
+        logging.getLogger("m3lm.server").warning(
+            "--host %s without --api-key: anyone who can reach this machine can use the server; "
+            "set --api-key (or M3LM_API_KEY)",
+            args.host,
+        )
+    serve(host=args.host, port=args.port, **settings)
     return 0
 
 

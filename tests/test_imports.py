@@ -208,14 +208,13 @@ def third_party_imports(root: Path = PACKAGE) -> set[str]:
 def test_pyproject_lists_every_distribution_the_package_imports():
     """A plain `pip install m3lm` brings everything the package imports (Triton comes with
     torch's CUDA build, and only the GPU kernels import it; matplotlib, for plots, is the `plot`
-    extra)."""
+    extra, Ray for `serve_ray.py` the `ray` extra)."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
     listed = {canonicalize_name(Requirement(r).name) for r in pyproject["project"]["dependencies"]}
-    # an extra's packages are imported on use, where the feature they serve runs (plots)
-    listed |= {
-        canonicalize_name(Requirement(r).name) for r in pyproject["project"]["optional-dependencies"]["plot"]
-    }
+    # an extra's packages are imported on use, where the feature they serve runs (plots, Ray Serve)
+    extras = pyproject["project"]["optional-dependencies"]
+    listed |= {canonicalize_name(Requirement(r).name) for r in extras["plot"] + extras["ray"]}
     dists = metadata.packages_distributions()
     missing = {}
     for name in third_party_imports() - {"triton"}:

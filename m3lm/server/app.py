@@ -352,9 +352,7 @@ def serve(
     """
     from m3lm.config import EngineConfig
     from m3lm.device import resolve_device, under_torchrun
-    from m3lm.engine.messages import EngineSpec
     from m3lm.model_dir import check_dir
-    from m3lm.tokenizer import load_tokenizer
 
     limits = room_for_connections(limits or Limits())
     name = served_model_name or str(load.model_dir).rstrip("/").rsplit("/", 1)[-1]
@@ -392,20 +390,52 @@ def serve(
         finally:
             group.shutdown()
         return
-    path = check_dir(load.model_dir)
+    check_dir(load.model_dir)
     EngineConfig(**engine_kwargs)  # a bad setting is refused here, before the engine starts
     sock = bind(host, port)
     with _closed_on_error(sock), stop_on_signals():
-        tokenizer = None if load.skip_tokenizer_init else load_tokenizer(path)
-        spec = EngineSpec(
-            replace(load, model_dir=str(path)),
-            engine_kwargs,
-            tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else (),
-            logging.getLogger().getEffectiveLevel(),
-            threads,
-        )
-        engine = AsyncEngine.spawn(spec, tokenizer, limits.max_queue, limits.engine_timeout_s)
+        engine, tokenizer = _spawn_engine(load, limits, threads, engine_kwargs)
     _serve(engine, tokenizer, sock, name, host, port, grace_s, limits, api_key, cache_salt_by_api_key, web_ui)
+
+
+def start_app(
+    load: LoadSpec,
+    api_key: str | Sequence[str] | None = None,
+    served_model_name: str | None = None,
+    limits: Limits | None = None,
+    cache_salt_by_api_key: bool = False,
+    threads: int | None = None,
+    web_ui: bool = True,
+    grace_s: float = 30.0,
+    **engine_kwargs,
+) -> tuple[object, AsyncEngine]:
+    """`serve`'s ASGI app and its engine process, started and ready, for a host that runs the app
+    itself (a Ray Serve replica, `m3lm/serve_ray.py`): no socket, no uvicorn, no signal handlers.
+    `grace_s` is the host's to honour; the caller stops the engine."""
+    load.check(False)
+    limits = limits or Limits()
+    engine, tokenizer = _spawn_engine(load, limits, threads, engine_kwargs)
+    engine.start()
+    name = served_model_name or str(load.model_dir).rstrip("/").rsplit("/", 1)[-1]
+    return create_server_app(engine, tokenizer, name, api_key, limits, cache_salt_by_api_key, web_ui), engine
+
+
+def _spawn_engine(load: LoadSpec, limits: Limits, threads: int | None, engine_kwargs: dict):
+    """(an AsyncEngine whose process loads `load`'s model once started, the tokenizer or None)."""
+    from m3lm.engine.messages import EngineSpec
+    from m3lm.model_dir import check_dir
+    from m3lm.tokenizer import load_tokenizer
+
+    path = check_dir(load.model_dir)
+    tokenizer = None if load.skip_tokenizer_init else load_tokenizer(path)
+    spec = EngineSpec(
+        replace(load, model_dir=str(path)),
+        engine_kwargs,
+        tuple(sorted(tokenizer.eos_token_ids)) if tokenizer is not None else (),
+        logging.getLogger().getEffectiveLevel(),
+        threads,
+    )
+    return AsyncEngine.spawn(spec, tokenizer, limits.max_queue, limits.engine_timeout_s), tokenizer
 
 
 @contextmanager
