@@ -170,6 +170,31 @@ def row_sums(wide, wide4, FMT: tl.constexpr):
 
 
 @triton.jit
+def q4_dot(
+    acc, x_rows, x_ok, q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo,
+    FMT: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """acc += x[rows of x] @ W[rows].T over inputs k0..k0+BK, W 4-bit, on the tensor cores: two
+    products of half the inputs each (x's even inputs by the low nibbles, its odd ones by the
+    high), the nibbles never interleaved. x_rows [M]: pointers to x's rows (x_ok: which are real);
+    acc [M, R], or with SWAP held transposed, [R, M]."""
+    lo, hi = q4_halves(q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK)
+    ke = k0 + 2 * tl.arange(0, BK // 2)
+    mask = x_ok[:, None] & (ke[None, :] < KDIM)
+    xe = tl.load(x_rows[:, None] + ke[None, :], mask=mask, other=0.0)
+    xo = tl.load(x_rows[:, None] + ke[None, :] + 1, mask=mask, other=0.0)
+    lo, hi = lo.to(xe.dtype), hi.to(xe.dtype)
+    if SWAP:
+        acc = tl.dot(lo, tl.trans(xe), acc, input_precision=PREC)
+        acc = tl.dot(hi, tl.trans(xo), acc, input_precision=PREC)
+    else:
+        acc = tl.dot(xe, tl.trans(lo), acc, input_precision=PREC)
+        acc = tl.dot(xo, tl.trans(hi), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def q4_halves(
     q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo,
     FMT: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, BK: tl.constexpr,
@@ -277,6 +302,11 @@ def _mxfp8_gemv_kernel(
                 wide, wide4, x_ptr, q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo,
                 FMT, GROUP, EVEN_K, BK,
             )  # fmt: skip
+        elif DOT and FMT != 0:
+            acc = q4_dot(
+                acc, x_ptr + offs_t * s_xt, offs_t < T, q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM,
+                s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK, True, PREC,
+            )  # fmt: skip
         else:
             w = weight_tile(
                 q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK
@@ -319,14 +349,22 @@ def _mxfp8_matmul_kernel(
     # An explicit pipelining depth, so that the weight loads (which feed the dot only through
     # the dequantisation) are prefetched too.
     for k0 in tl.range(0, KLOOP if KLOOP else KDIM, BK, num_stages=STAGES):
-        kk = k0 + tl.arange(0, BK)
-        x = tl.load(
-            x_ptr + offs_m[:, None] * s_xt + kk[None, :],
-            mask=(offs_m[:, None] < T) & (kk[None, :] < KDIM),
-            other=0.0,
-        )
-        w = weight_tile(q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PREC)
+        if FMT == 0:
+            kk = k0 + tl.arange(0, BK)
+            x = tl.load(
+                x_ptr + offs_m[:, None] * s_xt + kk[None, :],
+                mask=(offs_m[:, None] < T) & (kk[None, :] < KDIM),
+                other=0.0,
+            )
+            w = weight_tile(
+                q_ptr, s_ptr, b_ptr, rows, row_ok, k0, KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK
+            )
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PREC)
+        else:
+            acc = q4_dot(
+                acc, x_ptr + offs_m.to(tl.int64) * s_xt, offs_m < T, q_ptr, s_ptr, b_ptr, rows, row_ok, k0,
+                KDIM, s_qo, s_so, s_bo, FMT, GROUP, EVEN_K, BK, False, PREC,
+            )  # fmt: skip
     if G == 2:  # [BM, 2*BN]: gate columns, then up columns
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
         acc = swiglu(gate, up, alpha, limit)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3lm.kernels.fp8_triton import FORMAT_CODES, row_products, row_sums, swiglu, weight_tile
+from m3lm.kernels.fp8_triton import FORMAT_CODES, q4_dot, row_products, row_sums, swiglu, weight_tile
 from m3lm.kernels.host import precision
 from m3lm.kernels.moe_triton import align, row_blocks
 from m3lm.kernels.q4 import Q4Weight
@@ -46,15 +46,25 @@ def _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
-def _expert_tile(
-    w_ptr, s_ptr, b_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn, s_be, s_bn,
-    N: tl.constexpr, KDIM: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _expert_dot(
+    acc, a, a_ptr, rows, valid, s_am, w_ptr, s_ptr, b_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn, s_be, s_bn,
+    N: tl.constexpr, KDIM: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr,
+    SWAP: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Expert e's weight rows offs_n [BN], inputs k0..k0+BK, dequantised: fp32 [BN, BK]."""
-    return weight_tile(
-        w_ptr + e * s_we, s_ptr + e * s_se, b_ptr + e * s_be, offs_n, offs_n < N, k0, KDIM, s_wn, s_sn, s_bn,
-        FMT, GROUP, False, BK,
-    )  # fmt: skip
+    """acc += the rows' activations @ expert e's weight rows offs_n [BN].T over inputs k0..k0+BK:
+    MXFP8 from `a`, the rows' tile (`_rows_tile`); 4 bits through `q4_dot`, from a_ptr."""
+    w_ptr, s_ptr, b_ptr = w_ptr + e * s_we, s_ptr + e * s_se, b_ptr + e * s_be
+    if FMT == 0:
+        w = weight_tile(
+            w_ptr, s_ptr, b_ptr, offs_n, offs_n < N, k0, KDIM, s_wn, s_sn, s_bn, FMT, GROUP, False, BK
+        )
+        acc = _acc_dot(acc, a, w, SWAP, PREC)
+    else:
+        acc = q4_dot(
+            acc, a_ptr + rows.to(tl.int64) * s_am, valid, w_ptr, s_ptr, b_ptr, offs_n, offs_n < N, k0, KDIM,
+            s_wn, s_sn, s_bn, FMT, GROUP, False, BK, SWAP, PREC,
+        )  # fmt: skip
+    return acc
 
 
 @triton.jit
@@ -87,49 +97,18 @@ def _moe_fp8_gate_up_kernel(
     gate = tl.zeros([BN if SWAP else BM, BM if SWAP else BN], tl.float32)  # [BM, BN], or [BN, BM]
     up = tl.zeros_like(gate)
     for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):  # dequantised loads prefetched too
-        a = _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM, BK)
-        w1 = _expert_tile(
-            w1_ptr,
-            s1_ptr,
-            b1_ptr,
-            e,
-            offs_n,
-            k0,
-            s_we,
-            s_wn,
-            s_se,
-            s_sn,
-            s_be,
-            s_bn,
-            N,
-            KDIM,
-            FMT,
-            GROUP,
-            BN,
-            BK,
-        )
-        gate = _acc_dot(gate, a, w1, SWAP, PREC)
-        w3 = _expert_tile(
-            w3_ptr,
-            s3_ptr,
-            b3_ptr,
-            e,
-            offs_n,
-            k0,
-            s_we,
-            s_wn,
-            s_se,
-            s_sn,
-            s_be,
-            s_bn,
-            N,
-            KDIM,
-            FMT,
-            GROUP,
-            BN,
-            BK,
-        )
-        up = _acc_dot(up, a, w3, SWAP, PREC)
+        if FMT == 0:  # noqa: SIM108 (a statement: only the constant branch is compiled)
+            a = _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM, BK)
+        else:  # 4 bits: `q4_dot` loads the rows' even and odd inputs itself
+            a = 0.0
+        gate = _expert_dot(
+            gate, a, a_ptr, rows, valid, s_am, w1_ptr, s1_ptr, b1_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn,
+            s_be, s_bn, N, KDIM, FMT, GROUP, BK, SWAP, PREC,
+        )  # fmt: skip
+        up = _expert_dot(
+            up, a, a_ptr, rows, valid, s_am, w3_ptr, s3_ptr, b3_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn,
+            s_be, s_bn, N, KDIM, FMT, GROUP, BK, SWAP, PREC,
+        )  # fmt: skip
     h = swiglu(gate, up, alpha, limit)
     if SWAP:
         h = tl.trans(h)
@@ -155,28 +134,14 @@ def _moe_fp8_gemm_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     acc = tl.zeros([BN if SWAP else BM, BM if SWAP else BN], tl.float32)
     for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):  # dequantised loads prefetched too
-        a = _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM, BK)
-        w = _expert_tile(
-            w_ptr,
-            s_ptr,
-            b_ptr,
-            e,
-            offs_n,
-            k0,
-            s_we,
-            s_wn,
-            s_se,
-            s_sn,
-            s_be,
-            s_bn,
-            N,
-            KDIM,
-            FMT,
-            GROUP,
-            BN,
-            BK,
-        )
-        acc = _acc_dot(acc, a, w, SWAP, PREC)
+        if FMT == 0:  # noqa: SIM108 (a statement: only the constant branch is compiled)
+            a = _rows_tile(a_ptr, rows, valid, s_am, k0, KDIM, BK)
+        else:  # 4 bits: `q4_dot` loads the rows' even and odd inputs itself
+            a = 0.0
+        acc = _expert_dot(
+            acc, a, a_ptr, rows, valid, s_am, w_ptr, s_ptr, b_ptr, e, offs_n, k0, s_we, s_wn, s_se, s_sn,
+            s_be, s_bn, N, KDIM, FMT, GROUP, BK, SWAP, PREC,
+        )  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)
     if SCALE:
