@@ -429,7 +429,8 @@ def mxfp8_matmul(
     n = rows // g
     assert n * g == rows
     x = x.contiguous()
-    if config is None and act is None and t >= DEQUANT_MIN_T:
+    if config is None and act is None and (t >= DEQUANT_MIN_T or (q4 is not None and t > GEMV_MAX_T)):
+        # 4 bits past the GEMVs too: the tiles' dequantisation costs more than writing the weight once
         return torch.nn.functional.linear(x, dequantize(q, scale, x.dtype, q4))
     y = torch.empty(t, n, device=x.device, dtype=x.dtype)
     cfg = config or matmul_config(t, n, kdim, sm_count(x.device), act is not None)

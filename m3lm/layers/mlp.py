@@ -36,10 +36,10 @@ def gate_up_swiglu(
     the GPU: one product, then the activation; MXFP8 below DEQUANT_MIN_T rows in one launch, the
     activation applied to the fp32 sums (the FP8 kernel's `act="swiglu"`)."""
     from m3lm.kernels import fused
-    from m3lm.kernels.fp8_triton import DEQUANT_MIN_T, mxfp8_matmul
+    from m3lm.kernels.fp8_triton import DEQUANT_MIN_T, GEMV_MAX_T, mxfp8_matmul
 
     flat = x.reshape(-1, x.shape[-1])  # [T, C]
-    if isinstance(packed[0], Q4Weight) and flat.shape[0] < DEQUANT_MIN_T:  # 4 bits, likewise
+    if isinstance(packed[0], Q4Weight) and flat.shape[0] <= GEMV_MAX_T:  # 4 bits: in the GEMVs
         w = packed[0]
         y = mxfp8_matmul(flat, w.values, w.scale, act="swiglu", alpha=alpha, limit=limit, q4=w)
         return y.view(*x.shape[:-1], -1)

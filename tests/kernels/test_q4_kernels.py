@@ -41,15 +41,17 @@ def q4_weight(gen, device, fmt, group, *shape, std=0.05) -> Q4Weight:
         for dtype in (F32, BF16)
         for t, o, k in [(1, 512, 6144), (1, 6144, 3072), (4, 3072, 6144), (64, 3072, 6144), (300, 200, 512),
                         (1500, 200, 512)]
-    ],
+    ] + [(fmt, group, BF16, 64, 3072, 6144, ("tile", 64, 128, 4, 4, 64)) for fmt, group in FORMATS],
     interpreter=[
         *[(fmt, group, F32, t, 40, 128, None) for fmt, group in FORMATS for t in (1, 3, 20, DEQUANT_MIN_T)],
         *[(fmt, group, F32, 2, 24, 256, ("gemv", 8, 128, 4, 1)) for fmt, group in FORMATS],
+        *[(fmt, group, F32, 20, 40, 128, ("tile", 64, 64, 4, 1, 16)) for fmt, group in FORMATS],
         *[(fmt, group, F32, 16, 40, 192, ("gemv_tc", 16, 64, 4, 1)) for fmt, group in FORMATS[:3]],
     ],
 )  # fmt: skip
 def test_q4_matmul_matches_dequantised_reference(device, fmt, group, dtype, t, o, k, config):
-    """Every launch shape (GEMVs, tiles, one dequantisation then a matmul); deterministic."""
+    """Every launch shape (GEMVs, tiles, one dequantisation then a matmul: by default past the
+    GEMVs' 16 rows); deterministic."""
     gen = torch.Generator(device="cpu").manual_seed(t + o + k)
     w = q4_weight(gen, device, fmt, group, o, k)
     x = torch.randn(t, k, generator=gen).to(device, dtype)
