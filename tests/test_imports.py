@@ -5,7 +5,7 @@
 - No module of the package imports the package root (`import m3lm`, `from m3lm import NAME`):
   the root only re-exports, so a module imports a name from the module that defines it.
 - No `sys.path` edit in the package.
-- What the server process runs (`server/`, `text/`, the engine's client and messages, `core`)
+- What the server process runs (`server/` with the engine's client, `text/`, `wire`, `core`)
   imports, at module level, nothing that runs the model: no model, layer, kernel, cache,
   scheduler, sampler, loader or engine-step module (those load in the engine process; a test over
   a live server checks the process itself, `test_serve_lifecycle.py`).
@@ -24,12 +24,21 @@ from packaging.utils import canonicalize_name
 
 PACKAGE = Path(__file__).resolve().parents[1] / "m3lm"
 KERNELS_MAY_IMPORT = ("kernels", "core", "errors")  # under the package
-SERVER_SIDE = ("server", "text", "engine.async_engine", "engine.messages", "core", "grammar", "tokenizer")
+# The two processes, by folder or module (each name covers what lies under it): what the HTTP
+# server runs, and what runs the model (loaded in the engine process only). Both sides import
+# `wire` (the messages between them), `core` and `errors`.
+SERVER_SIDE = ("server", "text", "wire", "core", "grammar", "tokenizer")
 ENGINE_SIDE = (
-    "models", "layers", "kernels", "cache", "loader", "weight_copy", "scheduler", "sampler",
-    "engine.engine", "engine.engine_loop", "engine.runner", "engine.sequence", "engine.constraints",
-    "engine.cuda_graphs", "engine.warmup", "engine.memory", "distributed",
-)  # fmt: skip
+    "models",
+    "layers",
+    "kernels",
+    "cache",
+    "loader",
+    "weight_copy",
+    "sampler",
+    "engine",
+    "distributed",
+)
 
 
 def module_files(root: Path = PACKAGE) -> dict[str, Path]:

@@ -28,13 +28,13 @@ from m3lm.engine.constraints import Constraint, Grammars, Masks, StepMasks
 from m3lm.engine.drafter import EagleDrafter
 from m3lm.engine.memory import peak_activation_bytes, profile_batches
 from m3lm.engine.runner import ModelRunner
+from m3lm.engine.scheduler import Scheduler
 from m3lm.engine.sequence import Sequence
 from m3lm.engine.speculation import Speculator, rollback
 from m3lm.errors import ConfigError
 from m3lm.layers.linear import weight_bytes
 from m3lm.models.minimax_m3 import MiniMaxM3
 from m3lm.sampler import Sampler, logprobs, make_generator
-from m3lm.scheduler import Scheduler
 from m3lm.threads import library_threads
 
 log = logging.getLogger("m3lm.engine")

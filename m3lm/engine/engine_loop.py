@@ -20,11 +20,11 @@ import time
 
 import zmq
 
+from m3lm import wire as m
 from m3lm.core import StepOutput
-from m3lm.engine import messages as m
 from m3lm.engine.engine import LLMEngine
-from m3lm.engine.messages import EngineSpec
 from m3lm.threads import use_threads
+from m3lm.wire import EngineSpec
 
 log = logging.getLogger("m3lm.engine")
 IDLE_POLL_MS = 100  # how long an idle loop sleeps before checking on its parent

@@ -47,9 +47,9 @@ import msgspec
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from m3lm.engine.async_engine import RequestStream
 from m3lm.server.choice import Choice
 from m3lm.server.effort import ANTHROPIC_FIELD
+from m3lm.server.engine_client import RequestStream
 from m3lm.server.handlers import (
     ApiError,
     ServerState,

@@ -27,13 +27,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m3lm.config import LoadSpec
-from m3lm.engine.async_engine import AsyncEngine
 from m3lm.errors import M3lmError
 from m3lm.server import anthropic, responses, web
 from m3lm.server.asgi import ApiKeyAuth, DrainingServer, JsonErrors, RequestLimits, guarded_h11
 from m3lm.server.chat_completions import chat_completion
 from m3lm.server.completions import completion
 from m3lm.server.effort import efforts_of
+from m3lm.server.engine_client import AsyncEngine
 from m3lm.server.handlers import ApiError, ServerState
 from m3lm.server.lifecycle import bind, stop_on_signals
 from m3lm.server.metrics import Metrics
@@ -422,9 +422,9 @@ def start_app(
 
 def _spawn_engine(load: LoadSpec, limits: Limits, threads: int | None, engine_kwargs: dict):
     """(an AsyncEngine whose process loads `load`'s model once started, the tokenizer or None)."""
-    from m3lm.engine.messages import EngineSpec
     from m3lm.model_dir import check_dir
     from m3lm.tokenizer import load_tokenizer
+    from m3lm.wire import EngineSpec
 
     path = check_dir(load.model_dir)
     tokenizer = None if load.skip_tokenizer_init else load_tokenizer(path)

@@ -22,13 +22,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from m3lm.core import SamplingParams, StepOutput, StructuredOutput
-from m3lm.engine.async_engine import (
-    AsyncEngine,
-    EngineDead,
-    Interrupted,
-    QueueFull,
-    RequestStream,
-)
 from m3lm.server.choice import (
     Choice,
     check_prompt_logprobs,
@@ -36,6 +29,13 @@ from m3lm.server.choice import (
     vllm_prompt_logprobs,
 )
 from m3lm.server.effort import Efforts
+from m3lm.server.engine_client import (
+    AsyncEngine,
+    EngineDead,
+    Interrupted,
+    QueueFull,
+    RequestStream,
+)
 from m3lm.server.grammar_checks import ChecksBusy, GrammarChecks
 from m3lm.server.metrics import Metrics
 from m3lm.server.protocol import ChatCompletionRequest, Limits, error_body, error_body_for

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.metrics_core import GaugeMetricFamily
 
 from m3lm.core import StepOutput
-from m3lm.engine.messages import ReadyInfo, Stats
+from m3lm.wire import ReadyInfo, Stats
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator
 import msgspec
 from fastapi import FastAPI, Request
 
-from m3lm.engine.async_engine import RequestStream
 from m3lm.server.choice import Choice
+from m3lm.server.engine_client import RequestStream
 from m3lm.server.handlers import (
     ApiError,
     ServerState,

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
+from m3lm import wire as m
 from m3lm.core import SamplingParams, StructuredOutput, ThinkingControl
-from m3lm.engine import messages as m
 from tests.support.checkpoints import write_chat_checkpoint
 from tests.support.paths import PATIENCE_S
 from tests.support.processes import alive, children, start_serve, stop, wait_healthy
@@ -141,8 +141,8 @@ def test_an_engine_inside_a_long_step_leaves_soon_after_its_server(tmp_path, mon
 def test_a_thread_hosted_engine_reports_its_warm_up_failure(checkpoint, monkeypatch):
     """Under torchrun the engine's loop runs on a thread of the server process: a warm-up that
     fails is a start failure with its message, as the engine process reports it."""
-    import m3lm.engine.async_engine as ae
     import m3lm.engine.engine_loop as loop
+    import m3lm.server.engine_client as ae
     from m3lm.config import EngineConfig
     from m3lm.engine.engine import LLMEngine
     from m3lm.loader import load

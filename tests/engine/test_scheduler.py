@@ -6,8 +6,8 @@ import pytest
 
 from m3lm.cache.block_manager import BlockManager
 from m3lm.core import SamplingParams
+from m3lm.engine.scheduler import Scheduler
 from m3lm.engine.sequence import SeqStatus, Sequence
-from m3lm.scheduler import Scheduler
 
 
 def make_seq(i: int, prompt: int, max_tokens: int, tokens: list[int] | None = None) -> Sequence:

@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 
 import m3lm
 from m3lm.config import EngineConfig
-from m3lm.engine.async_engine import AsyncEngine
 from m3lm.engine.engine import LLMEngine
 from m3lm.errors import CheckpointError, ConfigError
 from m3lm.server.app import create_server_app
+from m3lm.server.engine_client import AsyncEngine
 from m3lm.server.protocol import Limits
 from tests.support.checkpoints import write_chat_checkpoint
 from tests.support.live_server import LiveServer, wait_idle

@@ -15,9 +15,9 @@ from schemathesis.checks import positive_data_acceptance  # noqa: E402
 
 import m3lm  # noqa: E402
 from m3lm.config import EngineConfig  # noqa: E402
-from m3lm.engine.async_engine import AsyncEngine  # noqa: E402
 from m3lm.engine.engine import LLMEngine  # noqa: E402
 from m3lm.server.app import create_server_app  # noqa: E402
+from m3lm.server.engine_client import AsyncEngine  # noqa: E402
 from m3lm.server.protocol import Limits  # noqa: E402
 from tests.support.checkpoints import write_chat_checkpoint  # noqa: E402
 

@@ -18,6 +18,7 @@ import pytest
 
 from tests.support.paths import PATIENCE_S
 from tests.support.processes import Serve, alive
+from tests.test_imports import ENGINE_SIDE as ENGINE_MODULES
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
 
@@ -142,25 +143,7 @@ def test_a_device_this_machine_lacks_is_one_line_before_the_engine_starts(device
 
 
 # What runs the model: the server process imports none of it (the engine process does).
-ENGINE_SIDE = (
-    "m3lm.models",
-    "m3lm.layers",
-    "m3lm.kernels",
-    "m3lm.cache",
-    "m3lm.loader",
-    "m3lm.weight_copy",
-    "m3lm.scheduler",
-    "m3lm.sampler",
-    "m3lm.engine.engine",
-    "m3lm.engine.engine_loop",
-    "m3lm.engine.runner",
-    "m3lm.engine.sequence",
-    "m3lm.engine.constraints",
-    "m3lm.engine.cuda_graphs",
-    "m3lm.engine.warmup",
-    "m3lm.engine.memory",
-    "m3lm.distributed",
-)
+ENGINE_SIDE = tuple(f"m3lm.{m}" for m in ENGINE_MODULES)
 
 
 def test_the_http_process_holds_no_model_cache_or_engine_step_module(tmp_path):
@@ -192,6 +175,6 @@ def test_the_http_process_holds_no_model_cache_or_engine_step_module(tmp_path):
     finally:
         server.kill()
     loaded = json.loads(modules.read_text())
-    assert {"m3lm.engine.async_engine", "m3lm.text.detokenize", "m3lm.server.app"} <= set(loaded)
+    assert {"m3lm.server.engine_client", "m3lm.text.detokenize", "m3lm.server.app"} <= set(loaded)
     held = [m for m in loaded if m.startswith(ENGINE_SIDE)]
     assert held == [], held

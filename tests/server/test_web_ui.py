@@ -29,9 +29,9 @@ import pytest
 
 import m3lm
 from m3lm.config import EngineConfig
-from m3lm.engine.async_engine import AsyncEngine
 from m3lm.engine.engine import LLMEngine
 from m3lm.server.app import create_server_app
+from m3lm.server.engine_client import AsyncEngine
 from m3lm.server.protocol import Limits
 from m3lm.server.web import CONTENT_SECURITY_POLICY
 from tests.support.live_server import LiveServer, Script, wait_idle

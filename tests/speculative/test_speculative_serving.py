@@ -9,10 +9,10 @@ import torch
 import m3lm
 from m3lm.cli import main
 from m3lm.config import EngineConfig
-from m3lm.engine.async_engine import AsyncEngine
 from m3lm.engine.engine import LLMEngine
 from m3lm.llm import LLM
 from m3lm.server.app import create_server_app
+from m3lm.server.engine_client import AsyncEngine
 from m3lm.server.protocol import Limits
 from m3lm.speculative.config import SpeculativeConfig
 from tests.support.cli import cli

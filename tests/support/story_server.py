@@ -9,10 +9,10 @@ import torch
 
 import m3lm
 from m3lm.config import EngineConfig
-from m3lm.engine.async_engine import AsyncEngine
 from m3lm.engine.engine import LLMEngine
 from m3lm.sampler import SampleOutput
 from m3lm.server.app import create_server_app
+from m3lm.server.engine_client import AsyncEngine
 from m3lm.server.protocol import Limits
 from tests.support.live_server import API_KEY, LiveServer, Script
 

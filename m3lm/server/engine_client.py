@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from m3lm import wire as m
 from m3lm.core import SamplingParams, StepOutput, validate_request
-from m3lm.engine import messages as m
-from m3lm.engine.messages import EngineSpec
 from m3lm.errors import M3lmError
 from m3lm.text.detokenize import TextStream
 from m3lm.threads import quiet_waits
+from m3lm.wire import EngineSpec
 
 if TYPE_CHECKING:
     from m3lm.engine.engine import LLMEngine
