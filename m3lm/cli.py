@@ -69,7 +69,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace):
     """(model, tokenizer, group or None); None on a follower rank under torchrun, which has
     already served rank 0's steps by the time it returns."""
-    from m3lm.distributed.launch import load_for_engine
+    from m3lm.engine.launch import load_for_engine
     from m3lm.threads import use_threads
 
     bar = None

@@ -478,7 +478,7 @@ def release_config(
 @dataclass(frozen=True)
 class LoadSpec:
     """Every loading option in one place: what the CLI, `serve`, `LLM` and the engine process
-    load from (`m3lm.distributed.launch.load_for_engine`). `dtype` is a torch dtype or its name."""
+    load from (`m3lm.engine.launch.load_for_engine`). `dtype` is a torch dtype or its name."""
 
     model_dir: str
     device: str | None = None

@@ -57,7 +57,7 @@ class LLM:
     ):
         """`threads`: torch's CPU threads (default: m3lm's choice for the model, unless
         OMP_NUM_THREADS or MKL_NUM_THREADS is set; `m3lm.threads`)."""
-        from m3lm.distributed.launch import load_for_engine
+        from m3lm.engine.launch import load_for_engine
         from m3lm.threads import use_threads
 
         spec = LoadSpec(

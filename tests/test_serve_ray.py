@@ -9,7 +9,7 @@ import uuid
 import openai
 import pytest
 
-from m3lm.distributed.launch import free_port
+from m3lm.engine.launch import free_port
 from tests.support.paths import PATIENCE_S
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'm3lm[ray]')")

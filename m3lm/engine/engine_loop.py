@@ -212,7 +212,7 @@ class EngineLoop:
 def build_engine(spec: EngineSpec):
     """Load the model (rank 0 of a group under tensor parallelism) -> (LLMEngine, group or None)."""
     from m3lm.config import EngineConfig
-    from m3lm.distributed.launch import load_for_engine
+    from m3lm.engine.launch import load_for_engine
 
     load = spec.load
     if load.tensor_parallel_size == 1:  # this process needs no tokenizer (the server has one)

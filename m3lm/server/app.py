@@ -361,8 +361,8 @@ def serve(
     if under_torchrun():
         # rank 0 holds the port from the start; the other ranks follow its steps and serve nothing
         sock = bind(host, port) if os.environ.get("RANK", "0") == "0" else None
-        from m3lm.distributed.launch import load_for_engine
         from m3lm.engine.engine import LLMEngine  # this process is the engine too: rank 0
+        from m3lm.engine.launch import load_for_engine
 
         with stop_on_signals(), _closed_on_error(sock):
             loaded = load_for_engine(load)

@@ -13,11 +13,11 @@ import torch.multiprocessing as mp
 from m3lm.config import EngineConfig, ModelArgs
 from m3lm.core import SamplingParams
 from m3lm.distributed import steps
-from m3lm.distributed.launch import free_port
 from m3lm.distributed.parallel import ParallelConfig, init_group
 from m3lm.distributed.shard import head_ranges, local_shape, localize, param_shard
 from m3lm.engine.engine import LLMEngine
 from m3lm.engine.follower import follow
+from m3lm.engine.launch import free_port
 from m3lm.errors import ConfigError
 from m3lm.layers.linear import weight_bytes
 from m3lm.loader import load_model

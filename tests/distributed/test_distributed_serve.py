@@ -15,7 +15,7 @@ import openai
 import pytest
 
 import m3lm
-from m3lm.distributed.launch import free_port
+from m3lm.engine.launch import free_port
 from tests.support.checkpoints import (
     Spec,
     hf_model,

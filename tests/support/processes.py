@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from m3lm.distributed.launch import free_port
+from m3lm.engine.launch import free_port
 from tests.support.paths import PATIENCE_S
 
 # `python -c MODULES_ON_EXIT OUT serve ...`: the CLI, writing the modules it imported to OUT on exit
