@@ -30,7 +30,7 @@ from tokenizers import Tokenizer
 
 import m3lm
 from m3lm.core import ForwardBatch
-from m3lm.speculative.eagle import Eagle3, EagleArgs, published_config, rope
+from m3lm.models.eagle3 import Eagle3, EagleArgs, published_config, rope
 from training.prepare_data import BOS, EOS, default_data_dir, load_stories
 
 LAYERS = [2, 4, 6]  # the residual stream entering layers 2 and 4, and the last layer's output

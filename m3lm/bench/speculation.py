@@ -33,8 +33,8 @@ from m3lm.engine.cuda_graphs import DecodeGraphs
 from m3lm.engine.drafter import DraftGraphs, DraftRows, EagleDrafter
 from m3lm.engine.runner import forward_step, step_inputs
 from m3lm.loader import random_weights_
+from m3lm.models.eagle3 import Eagle3, EagleArgs, published_config
 from m3lm.models.minimax_m3 import MiniMaxM3
-from m3lm.speculative.eagle import Eagle3, EagleArgs, published_config
 
 RELEASE_LAYERS = RELEASE_DENSE + RELEASE_SPARSE
 # The drafter's MLP width is not among its known shapes: 3 x hidden (18432 at 6144) puts it at

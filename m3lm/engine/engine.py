@@ -174,7 +174,7 @@ class LLMEngine:
         spec = self.config.speculative_config
         if spec is None or spec.method != "eagle3":
             return None
-        from m3lm.speculative.eagle import load_eagle3
+        from m3lm.models.eagle3 import load_eagle3
 
         return load_eagle3(spec.model, self.model, self.model.lm_head.weight.dtype, self.device)
 

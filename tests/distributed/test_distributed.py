@@ -279,7 +279,7 @@ def _speculative_rank_main(rank: int, world: int, port: int, path: str, configs:
 def test_speculative_greedy_under_tensor_parallelism_equals_plain_single_process(random_dir, tmp_path):
     """Verification steps of k + 1 positions go to every rank like any other step; rank 0 drafts
     (prompt lookup, and an EAGLE-3 head in the published format) and the tokens do not change."""
-    from m3lm.speculative.eagle import published_config, random_drafter
+    from m3lm.models.eagle3 import published_config, random_drafter
 
     a = _args()
     drafter = random_drafter(

@@ -133,7 +133,7 @@ def test_engine_graphs_with_mxfp8_weights_match_cpu(tiny_path, index_fp8):
 def test_speculation_under_graphs_gives_the_cpus_tokens(tiny_path, tmp_path, method):
     """Verification steps replay the decode graphs (a row a verified position) and an EAGLE-3
     drafter's drafting its own graphs; greedy tokens are plain decoding's on the CPU."""
-    from m3lm.speculative.eagle import random_drafter
+    from m3lm.models.eagle3 import random_drafter
     from tests.speculative.test_speculative import drafter_config, repetitive
 
     cpu, _ = m3lm.load(tiny_path, device="cpu", dtype="float32")

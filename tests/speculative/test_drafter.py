@@ -14,7 +14,7 @@ from m3lm.distributed.steps import Step
 from m3lm.engine.drafter import DraftRows, EagleDrafter
 from m3lm.engine.runner import forward_step
 from m3lm.engine.sequence import Sequence
-from m3lm.speculative.eagle import Eagle3, EagleArgs, published_config
+from m3lm.models.eagle3 import Eagle3, EagleArgs, published_config
 from m3lm.speculative.rejection import verify, verify_greedy
 
 K = 3

@@ -345,7 +345,7 @@ def test_golden_greedy_with_prompt_lookup(fixture):
 def drafter_config(model, **over) -> dict:
     """The published drafter's config.json, its shapes scaled down to `model` (head dim 128 -> 16,
     64 KV heads -> one per query head; the full vocabulary with its own embedding and lm_head)."""
-    from m3lm.speculative.eagle import published_config
+    from m3lm.models.eagle3 import published_config
 
     a = model.args
     c = published_config(
@@ -365,7 +365,7 @@ def eagle(path) -> dict:
 
 
 def test_a_random_drafter_in_the_published_format_loads_and_drafts(tiny, tmp_path):
-    from m3lm.speculative.eagle import random_drafter
+    from m3lm.models.eagle3 import random_drafter
 
     path = random_drafter(tmp_path / "drafter", drafter_config(tiny), seed=1)
     prompts = [repetitive(i) for i in range(3)] + [prompt(30, seed=9)]
@@ -382,7 +382,7 @@ def test_the_kv_pool_counts_the_drafters_pages(tiny, tmp_path):
     """The drafter's key/value pool has a page for each of the model's, so a pool sized in bytes
     holds pages of both: the memory given is not overrun by the drafter's."""
     from m3lm.cache.kv_cache import KVCache
-    from m3lm.speculative.eagle import random_drafter
+    from m3lm.models.eagle3 import random_drafter
 
     path = random_drafter(tmp_path / "drafter", drafter_config(tiny), seed=1)
     a = tiny.args
@@ -403,7 +403,7 @@ def test_the_kv_pool_counts_the_drafters_pages(tiny, tmp_path):
 def test_a_drafter_that_shares_the_targets_embedding_and_lm_head(tiny, tmp_path):
     """Without embed_tokens and lm_head tensors the drafter uses the target's; with the target
     itself as the source of its drafts it proposes something."""
-    from m3lm.speculative.eagle import random_drafter
+    from m3lm.models.eagle3 import random_drafter
 
     path = random_drafter(tmp_path / "d", drafter_config(tiny), seed=2, shared=("embed_tokens", "lm_head"))
     params = m3lm.SamplingParams(max_tokens=16, **GREEDY)
@@ -441,7 +441,7 @@ def test_a_malformed_drafter_is_a_one_line_error(tiny, tmp_path, change, why):
     from safetensors.torch import save_file
 
     from m3lm.errors import CheckpointError
-    from m3lm.speculative.eagle import random_drafter
+    from m3lm.models.eagle3 import random_drafter
 
     path = random_drafter(tmp_path / "d", drafter_config(tiny), seed=3)
     config = json.loads((path / "config.json").read_text())
@@ -456,7 +456,7 @@ def test_a_malformed_drafter_is_a_one_line_error(tiny, tmp_path, change, why):
 
 @pytest.mark.parametrize("fixture", golden_params())
 def test_golden_greedy_with_a_random_drafter_batched_cached_and_preempted(fixture, tmp_path):
-    from m3lm.speculative.eagle import random_drafter
+    from m3lm.models.eagle3 import random_drafter
 
     model, _ = m3lm.load(fixture, device="cpu", dtype=torch.float32)
     exp = load_file(fixture / "expected.safetensors")

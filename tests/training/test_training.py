@@ -135,7 +135,7 @@ def test_the_drafters_unrolled_training_forward_is_the_drafting_forward():
     """Step j of training/eagle.py's unrolled forward at position s gives the logits drafting
     gives at its j-th chained step after taking in positions 0 .. s - j (the keys it sees, and
     the features it reads, are the same)."""
-    from m3lm.speculative.eagle import Eagle3, EagleArgs, published_config
+    from m3lm.models.eagle3 import Eagle3, EagleArgs, published_config
     from training.eagle import unrolled
 
     config = published_config(
