@@ -52,9 +52,9 @@ from m3lm.bench.tp_slice import (
     table,
 )
 from m3lm.cache.kv_cache import KVCache, PagedKV
-from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.distributed.parallel import ParallelConfig, init_group
 from m3lm.engine.launch import COLLECTIVE_TIMEOUT_S, free_port, rank_device
+from m3lm.layers.batch import DecodeBatch, ForwardBatch
 from m3lm.layers.linear import weight_bytes
 from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_
 

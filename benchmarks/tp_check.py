@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from m3lm.bench.tp_slice import build_shard, slice_args
 from m3lm.cache.kv_cache import KVCache, PagedKV
-from m3lm.core import ForwardBatch
 from m3lm.distributed.parallel import SINGLE, ParallelConfig
+from m3lm.layers.batch import ForwardBatch
 from m3lm.loader import load_model
 from m3lm.models.minimax_m3 import MiniMaxM3, keep_mxfp8_
 

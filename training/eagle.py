@@ -29,7 +29,7 @@ import torch
 from tokenizers import Tokenizer
 
 import m3lm
-from m3lm.core import ForwardBatch
+from m3lm.layers.batch import ForwardBatch
 from m3lm.models.eagle3 import Eagle3, EagleArgs, published_config, rope
 from training.prepare_data import BOS, EOS, default_data_dir, load_stories
 

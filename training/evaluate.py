@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 import m3lm
-from m3lm.core import ForwardBatch
 from m3lm.kernels.msa import msa_select_ref, select_blocks_ref
+from m3lm.layers.batch import ForwardBatch
 from m3lm.models.minimax_m3 import Attention, MiniMaxM3
 
 SELECTIONS = ("indexer", "random", "oracle", "local block")

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from m3lm.bench.slice import build_slice, fill_cache, prefill_step
 from m3lm.cache.kv_cache import KVCache
-from m3lm.core import DecodeBatch
+from m3lm.layers.batch import DecodeBatch
 
 
 def table(prof, rows: int) -> None:

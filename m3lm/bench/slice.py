@@ -12,8 +12,8 @@ import torch
 from m3lm.bench.timing import graph_ms
 from m3lm.cache.kv_cache import KVCache, PagedKV
 from m3lm.config import parse_config, release_config
-from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.engine.cuda_graphs import DecodeGraphs
+from m3lm.layers.batch import DecodeBatch, ForwardBatch
 from m3lm.loader import random_weights_
 from m3lm.models.minimax_m3 import MiniMaxM3
 

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from m3lm.cache.kv_cache import KVCache
-from m3lm.core import DecodeBatch
 from m3lm.engine.cpu_program import ProgramSpec, building, failure_note, pages_of
+from m3lm.layers.batch import DecodeBatch
 from m3lm.models.minimax_m3 import MiniMaxM3
 
 log = logging.getLogger("m3lm.engine")

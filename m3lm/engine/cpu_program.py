@@ -36,8 +36,8 @@ from torch.overrides import TorchFunctionMode
 
 from m3lm.cache.kv_cache import KVCache
 from m3lm.config import ModelArgs
-from m3lm.core import DecodeBatch
 from m3lm.layers import rotary
+from m3lm.layers.batch import DecodeBatch
 from m3lm.models.minimax_m3 import MiniMaxM3
 
 PACKAGE = Path(__file__).resolve().parents[1]

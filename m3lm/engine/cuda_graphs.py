@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from m3lm.cache.kv_cache import KVCache
-from m3lm.core import DecodeBatch
+from m3lm.layers.batch import DecodeBatch
 from m3lm.models.minimax_m3 import MiniMaxM3
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from m3lm.cache.kv_cache import KVCache, PagedKV
-from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.distributed import steps
 from m3lm.engine.sequence import Sequence
+from m3lm.layers.batch import DecodeBatch, ForwardBatch
 from m3lm.models.minimax_m3 import MiniMaxM3
 
 

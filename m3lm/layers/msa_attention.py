@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from m3lm.config import MSAConfig
-from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.kernels.msa import msa_attention, msa_select
+from m3lm.layers.batch import DecodeBatch, ForwardBatch
 
 
 class MSAAttention(nn.Module):

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from m3lm.config import ModelArgs
-from m3lm.core import DecodeBatch, ForwardBatch
 from m3lm.distributed.parallel import SINGLE, ParallelConfig, all_gather, all_reduce
 from m3lm.distributed.shard import check_mxfp8_split, head_ranges, part
 from m3lm.kernels.moe import SPLIT_ROUTER_MIN_T, MoEOutput, moe, route, router_logits, split_bf16
 from m3lm.kernels.q4 import Q4Weight
+from m3lm.layers.batch import DecodeBatch, ForwardBatch
 from m3lm.layers.heads import packed_heads
 from m3lm.layers.linear import MXFP8Linear, packed_linear, packed_rows, q4_extra, to_mxfp8_
 from m3lm.layers.mlp import MLP

@@ -126,7 +126,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny):
 
 def test_msa_dense_window_does_what_it_says(tiny):
     """F = 2 keeps a sparse layer dense for t < 2 * topk * S (24 here) and exact MSA beyond."""
-    from m3lm.core import ForwardBatch
+    from m3lm.layers.batch import ForwardBatch
 
     attn = tiny.model.layers[1].self_attn
     assert attn.sparse

@@ -8,9 +8,9 @@ import torch
 
 from m3lm.cache.kv_cache import KVCache
 from m3lm.config import ModelArgs
-from m3lm.core import DecodeBatch
 from m3lm.distributed.steps import Step
 from m3lm.engine.runner import forward_step
+from m3lm.layers.batch import DecodeBatch
 from m3lm.models.minimax_m3 import MiniMaxM3, random_init_
 from tests.support.checkpoints import Spec, release_config
 

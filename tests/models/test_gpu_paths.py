@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 import m3lm
 from m3lm.cache.kv_cache import KVCache, PagedKV
-from m3lm.core import DecodeBatch, ForwardBatch
+from m3lm.layers.batch import DecodeBatch, ForwardBatch
 from tests.support.checkpoints import Spec, release_config
 from tests.support.paths import golden_params
 

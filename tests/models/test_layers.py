@@ -202,7 +202,7 @@ def test_packed_heads_are_the_heads_of_each_kind(wide):
     # The CPU forward norms and rotates every head of the packed product in one pass (v's rows
     # included, then dropped): the same heads as a norm and a rotation per kind (`project`).
     from m3lm.config import ModelArgs
-    from m3lm.core import ForwardBatch
+    from m3lm.layers.batch import ForwardBatch
     from m3lm.layers.heads import packed_heads
     from m3lm.models.minimax_m3 import MiniMaxM3, random_init_
     from tests.support.checkpoints import Spec, release_config
@@ -516,7 +516,7 @@ def test_cpu_query_chunks_read_only_the_keys_they_see(monkeypatch, start):
 
 
 def test_batch_rope_table_is_made_once_and_is_the_positions_table():
-    from m3lm.core import ForwardBatch
+    from m3lm.layers.batch import ForwardBatch
 
     pos = torch.tensor([5, 0, 13, 4095])
     batch = ForwardBatch(pos, [4])
