@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """What the answer must match, compiled into a grammar that masks the logits (xgrammar).
