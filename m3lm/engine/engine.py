@@ -414,9 +414,7 @@ class LLMEngine:
         else:
             spec_logits = logits
         verified = self.speculator.verify(self.sampler, spec, spec_logits)
-        now = time.perf_counter()
         for seq, v in zip(spec, verified, strict=True):
-            seq.last_token_time = now
             if not v.finite:
                 results.append(self.fail(seq, "the model produced non-finite logits"))
                 continue
@@ -451,10 +449,7 @@ class LLMEngine:
         # The one host transfer of these rows: sampled ids, and which rows had non-finite logits.
         token_ids, ok = torch.stack([out.token_ids, finite.to(out.token_ids.dtype)]).tolist()
         lps = _logprobs(out, ready, token_ids)
-        now = time.perf_counter()
         for i, seq in enumerate(ready):
-            seq.first_token_time = seq.first_token_time or now
-            seq.last_token_time = now
             if not ok[i]:
                 results.append(self.fail(seq, "the model produced non-finite logits"))
                 continue

@@ -35,8 +35,6 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1, 2, ...
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
     num_preemptions: int = 0
     constraint: object = None  # constraints.Constraint, for structured output or a thinking budget
     draft_ids: list[int] = field(default_factory=list)  # speculated tokens the next step verifies
@@ -79,6 +77,3 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_cached < self.num_tokens - 1

@@ -77,7 +77,6 @@ class RequestStream:
         self.loop = asyncio.get_running_loop()
         self.finished = False
         self.arrival = time.perf_counter()
-        self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self._items: collections.deque = collections.deque()
         self._ready = asyncio.Event()
@@ -149,7 +148,6 @@ class RequestStream:
         if self._text is not None and self._text.feed(res):
             self.owner.abort(self.request_id)  # the engine may have made more: they are dropped
         if res.new_token_ids:
-            self.first_token_time = self.first_token_time or now
             self.last_token_time = now
         self._put(res)
         return res
