@@ -6,8 +6,10 @@ and the request checks, and runs no model. (The model's batch types are `layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
+
+import msgspec
 
 
 @dataclass(frozen=True)
@@ -156,23 +158,21 @@ class SamplingParams:
         return cls(**base)
 
 
-@dataclass
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the most likely alternatives, best first
     rank: int | None = None  # 1 for the most likely token (prompt logprobs carry it)
 
 
-@dataclass
-class StepOutput:
-    """What one request gained in one engine step. The engine fills the ids; the text layer
-    (`m3lm.text.TextStream`) fills the text."""
+class StepOutput(msgspec.Struct, array_like=True):
+    """What one request gained in one engine step: the engine fills the ids and sends it to the
+    server as it is (`wire.Outputs`); there the text layer (`m3lm.text.TextStream`) fills the text."""
 
     request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
     new_text: str = ""
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
     queued_s: float | None = None  # on a request's first output: its wait before it was scheduled

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from m3lm.config import LoadSpec
-from m3lm.core import SamplingParams, StepOutput, TokenLogprob
+from m3lm.core import SamplingParams, StepOutput
 
 
 @dataclass
@@ -77,22 +77,6 @@ class Dead(msgspec.Struct, tag=True, array_like=True):
     error: str
 
 
-class Output(msgspec.Struct, array_like=True):
-    """One request's gain in one step."""
-
-    request_id: str
-    token_ids: list[int]
-    # per token: (chosen id, its logprob, [(alternative id, logprob), ...]); None if not asked
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    finish_reason: str | None = None  # "stop" (a stop token) | "length" | "error"
-    error: str | None = None
-    num_prefix_cached: int = 0
-    queued_s: float | None = None  # on a request's first output: its wait before it was scheduled
-    # on a request's first output, when asked: prompt tokens 1, 2, ... as (id, logprob,
-    # alternatives, rank)
-    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]], int]] | None = None
-
-
 class Stats(msgspec.Struct, array_like=True):
     """The scheduler's gauges and counters after a step."""
 
@@ -112,7 +96,7 @@ class Stats(msgspec.Struct, array_like=True):
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):
-    outputs: list[Output]
+    outputs: list[StepOutput]
     stats: Stats
 
 
@@ -141,23 +125,6 @@ def encode_checked(msg: ToEngine) -> bytes:
     except (OverflowError, TypeError, ValueError, msgspec.MsgspecError) as e:
         raise ValueError(f"the request cannot be passed to the engine: {e}") from None
     return data
-
-
-def step_output(out: Output) -> StepOutput:
-    """The engine's output as the text layer takes it (ids only; no text yet)."""
-    plps = out.prompt_logprobs
-    return StepOutput(
-        out.request_id,
-        list(out.token_ids),
-        new_logprobs=[TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in out.logprobs or ()],
-        finished=out.finish_reason is not None,
-        finish_reason=out.finish_reason,
-        error=out.error,
-        num_prefix_cached=out.num_prefix_cached,
-        prompt_logprobs=None
-        if plps is None
-        else [TokenLogprob(t, lp, [tuple(x) for x in top], r) for t, lp, top, r in plps],
-    )
 
 
 def decode_to_engine(data: bytes) -> ToEngine:

@@ -73,23 +73,6 @@ def engine_stats(engine: LLMEngine) -> m.Stats:
     )
 
 
-def to_message(out: StepOutput) -> m.Output:
-    """The wire form of one request's step output (pure)."""
-    lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs] if out.new_logprobs else None
-    plps = out.prompt_logprobs
-    plps = None if plps is None else [(lp.token_id, lp.logprob, lp.top, lp.rank) for lp in plps]
-    return m.Output(
-        out.request_id,
-        out.new_token_ids,
-        lps,
-        out.finish_reason,
-        out.error,
-        out.num_prefix_cached,
-        out.queued_s,
-        plps,
-    )
-
-
 class EngineLoop:
     """With `heartbeat_s`, a thread sends a `Heartbeat` that often while the loop runs: it beats
     whatever the loop is doing (a long step is not a stall), and stops only when the process
@@ -173,14 +156,16 @@ class EngineLoop:
                 try:
                     self.engine.add_request(msg.prompt_ids, msg.params, msg.request_id)
                 except ValueError as e:
-                    self._publish([m.Output(msg.request_id, [], None, "error", str(e))])
+                    self._publish(
+                        [StepOutput(msg.request_id, finished=True, finish_reason="error", error=str(e))]
+                    )
             elif isinstance(msg, m.Abort):
                 for rid in msg.request_ids:
                     self.engine.abort(rid)
             else:
                 return False
 
-    def _publish(self, outputs: list[m.Output]) -> None:
+    def _publish(self, outputs: list[StepOutput]) -> None:
         """Send the step's outputs with the scheduler's stats; nothing when both are unchanged."""
         stats = engine_stats(self.engine)
         if outputs or stats != self._stats:
@@ -199,7 +184,7 @@ class EngineLoop:
                     log.warning("the server process has gone: the engine stops")
                     return
                 if engine.has_unfinished():
-                    self._publish([to_message(o) for o in engine.step()])
+                    self._publish(engine.step())
                 else:
                     self._publish([])  # aborts may have changed the gauges
         except Exception as e:

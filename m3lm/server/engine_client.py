@@ -142,9 +142,8 @@ class RequestStream:
         self._items.append(item)
         self._ready.set()
 
-    def feed(self, out: m.Output, now: float) -> StepOutput:
+    def feed(self, res: StepOutput, now: float) -> StepOutput:
         """Turn the engine's output into text (on the event loop) and queue it."""
-        res = m.step_output(out)
         if self._text is not None and self._text.feed(res):
             self.owner.abort(self.request_id)  # the engine may have made more: they are dropped
         if res.new_token_ids:
@@ -428,7 +427,7 @@ class AsyncEngine:
                 self._die(msg.error)
                 return
 
-    def _dispatch(self, pairs: list[tuple[RequestStream, m.Output]]) -> None:
+    def _dispatch(self, pairs: list[tuple[RequestStream, StepOutput]]) -> None:
         """On the event loop: each request's new text, then its stream's queue."""
         now = time.perf_counter()
         for stream, out in pairs:

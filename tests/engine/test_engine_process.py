@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from m3lm import wire as m
-from m3lm.core import SamplingParams, StructuredOutput, ThinkingControl
+from m3lm.core import SamplingParams, StepOutput, StructuredOutput, ThinkingControl, TokenLogprob
 from tests.support.checkpoints import write_chat_checkpoint
 from tests.support.paths import PATIENCE_S
 from tests.support.processes import alive, children, start_serve, stop, wait_healthy
@@ -36,10 +36,14 @@ def test_messages_round_trip():
         thinking=ThinkingControl("adaptive", 5, 6, budget=3),
     )
     assert m.decode_to_engine(m.encode(m.Add("r2", [1], rules))).params == rules
-    outs = m.Outputs(
-        [m.Output("r1", [7], [(7, -0.5, [(7, -0.5), (9, -1.0)])], "length")], m.Stats(1, 0, 3, 10)
+    lps = [TokenLogprob(7, -0.5, [(7, -0.5), (9, -1.0)])]
+    first = StepOutput("r1", [7], new_logprobs=lps, finished=True, finish_reason="length", queued_s=0.25)
+    plps = StepOutput(
+        "r2", [], prompt_logprobs=[TokenLogprob(3, -1.5, [(4, -0.5)], 2)], num_prefix_cached=128
     )
-    assert m.decode_from_engine(m.encode(outs)) == outs
+    outs = m.Outputs([first, plps], m.Stats(1, 0, 3, 10))
+    back = m.decode_from_engine(m.encode(outs))
+    assert back == outs and back.outputs[0].new_logprobs[0].top == [(7, -0.5), (9, -1.0)]
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
