@@ -340,13 +340,13 @@ def _write_packed(st, src: Source, sl, params: dict, shards) -> None:
     4 bits (uint8 codes; checked finite once dequantised), else dequantised."""
     assert src.packed is not None
     for index, param, slot in _pieces(src, src.packed.shape, shards):
-        w = _unpacked(st, src, sl, index)
         if params[param].dtype != torch.uint8:
-            write_piece(params, Piece(param, slot), w, None, src.name)
+            write_piece(params, Piece(param, slot), _unpacked(st, src, sl, index), None, src.name)
             continue
         assert len(index) < len(src.packed.shape), "a kept 4-bit piece has whole rows"
-        check_finite(w, src.name)
-        write_q4_piece(params, Piece(param, slot), *_packed_rows(st, src, sl, index))
+        values, parts = _packed_rows(st, src, sl, index)
+        check_finite(decode_packed(src.packed.kind, values, parts, src.packed.bits), src.name)
+        write_q4_piece(params, Piece(param, slot), values, parts)
 
 
 def _pieces(src: Source, shape: tuple[int, ...], shards: dict[str, tuple[slice, ...]] | None):

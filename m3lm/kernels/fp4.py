@@ -17,12 +17,16 @@ NVFP4_BLOCK = 16
 MXFP4_BLOCK = MX_BLOCK
 
 
+def nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """packed [..., In/2] uint8 -> the 4-bit codes [..., In] (input 2j the low nibble), uint8."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """packed [..., In/2] uint8 -> the E2M1 values [..., In] in fp32."""
     table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=packed.device)
     table = torch.cat([table, -table])  # codes 8-15 are the negatives (-0.0 included)
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)  # [..., In]
-    return table[codes.long()]
+    return table[nibbles(packed).long()]
 
 
 def dequant_nvfp4(

@@ -180,44 +180,12 @@ def _pair_gemv_kernel(
     x_row = a_ptr + row * s_am
     for k0 in tl.range(0, KDIM, BK, num_stages=STAGES):
         wide1, half1 = row_products(
-            wide1,
-            half1,
-            x_row,
-            q1,
-            q1s,
-            q1b,
-            offs_n,
-            n_ok,
-            k0,
-            KDIM,
-            s_wn,
-            s_sn,
-            s_bn,
-            FMT,
-            GROUP,
-            EVEN_K,
-            BK,
-        )
+            wide1, half1, x_row, q1, q1s, q1b, offs_n, n_ok, k0, KDIM, s_wn, s_sn, s_bn, FMT, GROUP, EVEN_K, BK
+        )  # fmt: skip
         if G == 2:
             wide3, half3 = row_products(
-                wide3,
-                half3,
-                x_row,
-                q3,
-                q3s,
-                q3b,
-                offs_n,
-                n_ok,
-                k0,
-                KDIM,
-                s_wn,
-                s_sn,
-                s_bn,
-                FMT,
-                GROUP,
-                EVEN_K,
-                BK,
-            )
+                wide3, half3, x_row, q3, q3s, q3b, offs_n, n_ok, k0, KDIM, s_wn, s_sn, s_bn, FMT, GROUP, EVEN_K, BK
+            )  # fmt: skip
     acc = row_sums(wide1, half1, FMT)  # [BN]
     if G == 2:
         acc = swiglu(acc, row_sums(wide3, half3, FMT), alpha, limit)
@@ -302,18 +270,9 @@ def _launch_shape(aligned, w, m: int, block_m: int, config: tuple, fmt: tuple[in
     grid = (row_blocks(aligned, m, block_m), triton.cdiv(n, bn))
     bk = max(min(bk, max(32, triton.next_power_of_2(kdim))), fmt[1])
     meta = dict(
-        N=n,
-        KDIM=kdim,
-        FMT=fmt[0],
-        GROUP=fmt[1],
-        BM=block_m,
-        BN=bn,
-        BK=bk,
-        SWAP=swap,
-        STAGES=stages,
-        num_warps=warps,
-        num_stages=stages,
-    )
+        N=n, KDIM=kdim, FMT=fmt[0], GROUP=fmt[1], BM=block_m, BN=bn, BK=bk, SWAP=swap, STAGES=stages,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     return grid, meta
 
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from m3lm.kernels.fp4 import E2M1_MAGNITUDES, unpack_e2m1
+from m3lm.kernels.fp4 import E2M1_MAGNITUDES, nibbles, unpack_e2m1
 from m3lm.kernels.fp8 import e8m0_factor
 
 Q4_FORMATS = {"mxfp4": 32, "nvfp4": 16, "affine4": None}  # format: its fixed group (affine: the config's)
@@ -48,16 +48,11 @@ class Q4Weight(NamedTuple):
         return Q4Weight(self.values[index], self.scale[index], extra, self.fmt, self.group)
 
 
-def unpack_int4(values: torch.Tensor) -> torch.Tensor:
-    """values [..., In/2] uint8 -> the codes 0..15 [..., In] as fp32 (input 2j the low nibble)."""
-    return torch.stack((values & 0x0F, values >> 4), dim=-1).flatten(-2).float()
-
-
 def dequant_q4(w: Q4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight [..., O, In] in `dtype`, computed in fp32 and rounded once."""
     g = w.group
     if w.fmt == "affine4":
-        q = unpack_int4(w.values).unflatten(-1, (-1, g))  # [..., O, In/G, G]
+        q = nibbles(w.values).float().unflatten(-1, (-1, g))  # [..., O, In/G, G]
         out = w.scale.float()[..., None] * q + w.extra.float()[..., None]
     elif w.fmt == "mxfp4":
         out = unpack_e2m1(w.values).unflatten(-1, (-1, g)) * e8m0_factor(w.scale)[..., None]

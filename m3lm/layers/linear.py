@@ -40,18 +40,33 @@ class Q4Linear(nn.Module):
         super().__init__()
         assert in_features % group == 0, f"{fmt} needs the input width to be a multiple of {group}"
         self.in_features, self.out_features, self.fmt, self.group = in_features, out_features, fmt, group
-        self.weight = fp8_parameter(out_features, in_features // 2, dtype=torch.uint8)
-        self.weight_scale = fp8_parameter(out_features, in_features // group, dtype=scale_dtype)
-        if fmt == "affine4":
-            self.weight_bias = fp8_parameter(out_features, in_features // group, dtype=scale_dtype)
-        elif fmt == "nvfp4":
-            self.weight_global = fp8_parameter(out_features, dtype=torch.float32)
+        add_q4_parameters(self, "weight", (out_features,), in_features, fmt, group, scale_dtype)
 
     def q4(self) -> Q4Weight:
         return Q4Weight(self.weight, self.weight_scale, q4_extra(self, "weight"), self.fmt, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return q4_linear(x, self.q4())
+
+
+def add_q4_parameters(
+    owner: nn.Module,
+    name: str,
+    rows: tuple[int, ...],
+    inputs: int,
+    fmt: str,
+    group: int,
+    scale_dtype: torch.dtype,
+) -> None:
+    """Empty 4-bit weight `name` on `owner` ([*rows, inputs] dequantised): codes `name` [*rows,
+    inputs/2] uint8, scales `name_scale` [*rows, inputs/G], and `name_bias` (affine4, like the
+    scales) or `name_global` [*rows] fp32 (nvfp4)."""
+    setattr(owner, name, fp8_parameter(*rows, inputs // 2, dtype=torch.uint8))
+    setattr(owner, name + "_scale", fp8_parameter(*rows, inputs // group, dtype=scale_dtype))
+    if fmt == "affine4":
+        setattr(owner, name + "_bias", fp8_parameter(*rows, inputs // group, dtype=scale_dtype))
+    elif fmt == "nvfp4":
+        setattr(owner, name + "_global", fp8_parameter(*rows, dtype=torch.float32))
 
 
 def q4_extra(owner: nn.Module, name: str) -> torch.Tensor | None:

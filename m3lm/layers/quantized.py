@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from m3lm.kernels.fp8 import MX_BLOCK, quantize_mxfp8
-from m3lm.layers.linear import MXFP8Linear, Q4Linear, fp8_parameter, q4_extra, to_mxfp8_
+from m3lm.layers.linear import MXFP8Linear, Q4Linear, add_q4_parameters, fp8_parameter, q4_extra, to_mxfp8_
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
@@ -45,26 +45,18 @@ def experts_to_q4_(experts: nn.Module, kept: Kept) -> None:
     """Hold w1/w3/w2 in 4 bits as published (`kernels.q4`), empty, to be loaded: codes `w*`
     [E, O, In/2] uint8, scales `w*_scale` [E, O, In/G], and `w*_bias` (affine4) or `w*_global`
     [E, O] fp32 (nvfp4)."""
-    fmt, group, scale_dtype = kept
-    experts.q4 = (fmt, group)
+    experts.q4 = (kept.fmt, kept.group)
     for name in EXPERT_WEIGHTS:
         w = getattr(experts, name)
-        *lead, o, i = w.shape
         with torch.device(w.device):
-            setattr(experts, name, fp8_parameter(*lead, o, i // 2, dtype=torch.uint8))
-            setattr(experts, name + "_scale", fp8_parameter(*lead, o, i // group, dtype=scale_dtype))
-            if fmt == "affine4":
-                setattr(experts, name + "_bias", fp8_parameter(*lead, o, i // group, dtype=scale_dtype))
-            elif fmt == "nvfp4":
-                setattr(experts, name + "_global", fp8_parameter(*lead, o, dtype=torch.float32))
+            add_q4_parameters(experts, name, tuple(w.shape[:-1]), w.shape[-1], *kept)
 
 
-def keep_as_stored_(model: nn.Module, kept: dict[str, Kept]) -> list[str]:
+def keep_as_stored_(model: nn.Module, kept: dict[str, Kept]) -> None:
     """Convert the modules whose weights the checkpoint stores quantised (`kept`: parameter name ->
     how) so that loading keeps them so: a Linear's weight (`<module>.weight`) becomes an
     MXFP8Linear or a Q4Linear; a MoE's routed experts (`<experts>.w1`, `.w3`, `.w2`) change
-    together, when all three are kept alike. Returns the parameters left to be dequantised."""
-    left = []
+    together, when all three are kept alike; the others stay float (dequantised at load)."""
     experts: dict[str, set[Kept]] = {}
     for name, how in kept.items():
         owner, _, leaf = name.rpartition(".")
@@ -74,7 +66,6 @@ def keep_as_stored_(model: nn.Module, kept: dict[str, Kept]) -> list[str]:
         parent, _, attr = owner.rpartition(".")
         lin = model.get_submodule(owner) if leaf == "weight" else None
         if type(lin) is not nn.Linear or lin.in_features % how.group:
-            left.append(name)
             continue
         with torch.device(lin.weight.device):
             new = (
@@ -86,12 +77,10 @@ def keep_as_stored_(model: nn.Module, kept: dict[str, Kept]) -> list[str]:
     for owner, hows in experts.items():
         names = [f"{owner}.{w}" for w in EXPERT_WEIGHTS]
         if len(hows) != 1 or not all(n in kept for n in names):
-            left += [n for n in names if n in kept]
             continue
         (how,) = hows
         module = model.get_submodule(owner)
         experts_to_mxfp8_(module) if how.fmt == "mxfp8" else experts_to_q4_(module, how)
-    return left
 
 
 # What each published 4-bit export holds in 4 bits and in MXFP8 (the rest bf16), as the
