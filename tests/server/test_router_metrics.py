@@ -86,7 +86,9 @@ def load_to(server, gate: Gate, n: int) -> list:
     def one(i):
         stream = client.completions.create(
             model=NAME,
-            prompt=f"story {i} once upon a time",
+            # prompts apart from their first page: one that waits on a page another prefill
+            # promised would join only a step later
+            prompt=f"{i} story once upon a time",
             max_tokens=32,
             temperature=0,
             stream=True,
