@@ -38,33 +38,22 @@ import base64
 import hashlib
 import hmac
 import json
-import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from m3lm.server.choice import Choice
 from m3lm.server.effort import ANTHROPIC_FIELD
-from m3lm.server.engine_client import RequestStream
-from m3lm.server.handlers import (
-    ApiError,
-    ServerState,
-    admit_chat,
-    collect_unless_gone,
-    owning_stream,
-    prepare_chat,
-    reply_events,
-)
+from m3lm.server.handlers import ApiError, ServerState, admit_chat, prepare_chat
 from m3lm.server.protocol import ChatCompletionRequest, _Body, anthropic_error_body
+from m3lm.server.reply_lifecycle import answer
 from m3lm.text.reasoning import ReasoningText, ReplyEvent
 from m3lm.text.tool_calls import ToolCallArguments, ToolCallHeader
 
 _json = msgspec.json.Encoder().encode
-log = logging.getLogger("m3lm.server")
 
 
 class _Block(BaseModel):
@@ -279,29 +268,9 @@ def _tool_choice(choice: ToolChoice | None) -> str | dict | None:
 
 def chat_request(req: CountTokensRequest, signer: ThinkingSigner) -> ChatCompletionRequest:
     """The chat completion request a Messages request means (ValueError: a 400)."""
-    messages: list[dict] = []
-    if req.system:
-        messages.append({"role": "system", "content": _text(req.system)})
-    for i, m in enumerate(req.messages):
-        if m.role == "assistant":
-            messages.append(_assistant_turn(i, m.content, signer))
-        else:
-            messages += _user_turn(i, m.content)
-    if req.messages[-1].role == "assistant":
-        raise ValueError("the last message is the assistant's: continuing a reply (prefill) is not supported")
-    tools = []
-    for i, t in enumerate(req.tools or []):
-        if t.type not in (None, "custom"):
-            raise ValueError(f"tools.{i}: tools of type {t.type!r} are not supported (only client tools)")
-        if t.input_schema is None:
-            raise ValueError(f"tools.{i}: input_schema is required")
-        fn = {"name": t.name, "parameters": t.input_schema}
-        if t.description is not None:
-            fn["description"] = t.description
-        tools.append({"type": "function", "function": fn})
     body: dict[str, Any] = {
-        "messages": messages,
-        "tools": tools or None,
+        "messages": _chat_messages(req, signer),
+        "tools": [_chat_tool(i, t) for i, t in enumerate(req.tools or [])] or None,
         "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
     }
@@ -312,19 +281,7 @@ def chat_request(req: CountTokensRequest, signer: ThinkingSigner) -> ChatComplet
         schema = {"name": "output", "schema": fmt.get("schema"), "strict": True}
         body["response_format"] = {"type": fmt.get("type"), "json_schema": schema}
     if isinstance(req, MessagesRequest):
-        body.update(
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            stop=req.stop_sequences,
-            stream=req.stream,
-        )
-        budget = req.thinking.budget_tokens if req.thinking and req.thinking.type == "enabled" else None
-        if budget is not None:  # enforced as chat's thinking_token_budget, on Anthropic's rule
-            if budget < 1 or budget >= req.max_tokens:
-                raise ValueError("`max_tokens` must be greater than `thinking.budget_tokens`")
-            body["thinking_token_budget"] = budget
+        body.update(_sampling(req))
     body["reasoning_effort"] = req.output_config.effort if req.output_config else None  # `thinking` wins
     try:
         return ChatCompletionRequest.model_validate(body)
@@ -332,6 +289,52 @@ def chat_request(req: CountTokensRequest, signer: ThinkingSigner) -> ChatComplet
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first["loc"])
         raise ValueError(f"{loc}: {first['msg']}") from None
+
+
+def _chat_messages(req: CountTokensRequest, signer: ThinkingSigner) -> list[dict]:
+    """The system prompt and the turns as chat messages; a final assistant turn is refused."""
+    messages: list[dict] = []
+    if req.system:
+        messages.append({"role": "system", "content": _text(req.system)})
+    for i, m in enumerate(req.messages):
+        if m.role == "assistant":
+            messages.append(_assistant_turn(i, m.content, signer))
+        else:
+            messages += _user_turn(i, m.content)
+    if req.messages[-1].role == "assistant":
+        raise ValueError("the last message is the assistant's: continuing a reply (prefill) is not supported")
+    return messages
+
+
+def _chat_tool(i: int, t: AnthropicTool) -> dict:
+    """A client tool as chat's function tool (server tools are refused)."""
+    if t.type not in (None, "custom"):
+        raise ValueError(f"tools.{i}: tools of type {t.type!r} are not supported (only client tools)")
+    if t.input_schema is None:
+        raise ValueError(f"tools.{i}: input_schema is required")
+    fn = {"name": t.name, "parameters": t.input_schema}
+    if t.description is not None:
+        fn["description"] = t.description
+    return {"type": "function", "function": fn}
+
+
+def _sampling(req: MessagesRequest) -> dict:
+    """A Messages request's sampling and length fields under chat's names; an `enabled` thinking
+    budget is chat's `thinking_token_budget`, on Anthropic's rule (under `max_tokens`)."""
+    fields = {
+        "max_tokens": req.max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "stop": req.stop_sequences,
+        "stream": req.stream,
+    }
+    budget = req.thinking.budget_tokens if req.thinking and req.thinking.type == "enabled" else None
+    if budget is not None:
+        if budget < 1 or budget >= req.max_tokens:
+            raise ValueError("`max_tokens` must be greater than `thinking.budget_tokens`")
+        fields["thinking_token_budget"] = budget
+    return fields
 
 
 def _tool_id(call_id: str) -> str:
@@ -436,98 +439,82 @@ async def create_message(state: ServerState, signer: ThinkingSigner, req: Messag
         raise ApiError(400, str(e)) from None
     prompt = await prepare_chat(state, chat, request, ANTHROPIC_FIELD)
     slots, choices = admit_chat(state, prompt, request)
-    rid = "msg_" + secrets.token_hex(12)
-    model = req.model or state.model_name
-    if req.stream:  # the response owns the slots from here
-        return owning_stream(
-            _stream(state, signer, rid, model, len(prompt.ids), slots.streams, choices[0]), slots
-        )
-    blocks = ContentBlocks(signer)
-
-    async def collect() -> None:
-        async for _, events in reply_events(slots.streams, choices):  # type: ignore[misc]  # no tick: never None
-            for ev in events:
-                blocks.feed(ev)
-        blocks.close()
-
-    try:
-        await collect_unless_gone(request, collect())
-    finally:
-        slots.release()
-    c = choices[0]
-    return _message(rid, model, blocks.blocks, c, _usage(len(prompt.ids), c))
+    rid, model = "msg_" + secrets.token_hex(12), req.model or state.model_name
+    writer = MessageWriter(signer, rid, model, len(prompt.ids), choices[0])
+    return await answer(state, request, slots, choices, writer, req.stream)
 
 
-async def _stream(
-    state: ServerState,
-    signer: ThinkingSigner,
-    rid: str,
-    model: str,
-    prompt_tokens: int,
-    streams: list[RequestStream],
-    c: Choice,
-) -> AsyncIterator[bytes]:
-    # message_start waits for the first output, whose prefix-cache count its usage needs (so it
-    # is the usage of the whole reply), or for the first keep-alive of a long prefill
-    started = False
-    blocks = ContentBlocks(signer)
-    events = reply_events(streams, [c], state.limits.keepalive_s)
-    try:
-        async for item in events:
-            if not started:
-                started = True
-                usage = {**_usage(prompt_tokens, c), "output_tokens": 0}
-                yield _sse({"type": "message_start", "message": _message(rid, model, [], None, usage)})
-            if item is None:
-                yield _sse({"type": "ping"})
-                continue
-            for ev in item[1]:
-                for data in blocks.feed(ev):
-                    yield _sse(data)
-        if not started:  # no output at all
-            usage = {**_usage(prompt_tokens, c), "output_tokens": 0}
-            yield _sse({"type": "message_start", "message": _message(rid, model, [], None, usage)})
-        for data in blocks.close():
-            yield _sse(data)
+class MessageWriter:
+    """Anthropic's message of one choice, whole or as its events (`reply_lifecycle`'s writer).
+    `message_start` waits for the first output, whose prefix-cache count its usage needs (so it is
+    the usage of the whole reply), or for the first keep-alive of a long prefill."""
+
+    def __init__(self, signer: ThinkingSigner, rid: str, model: str, prompt_tokens: int, c: Choice) -> None:
+        self.blocks = ContentBlocks(signer)
+        self.rid, self.model, self.prompt_tokens, self.c = rid, model, prompt_tokens, c
+        self.started = False
+
+    def _start(self) -> list[bytes]:
+        if self.started:
+            return []
+        self.started = True
+        usage = {**_usage(self.prompt_tokens, self.c), "output_tokens": 0}
+        return [_sse({"type": "message_start", "message": _message(self.rid, self.model, [], None, usage)})]
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    async def chunks(self, c: Choice, out, events: list[ReplyEvent]) -> list[bytes]:
+        return self._start() + [_sse(data) for ev in events for data in self.blocks.feed(ev)]
+
+    def keepalive(self) -> bytes:
+        return b"".join(self._start()) + _sse({"type": "ping"})
+
+    def closing(self, choices: list[Choice]) -> list[bytes]:
+        c = self.c
+        data = self._start() + [_sse(d) for d in self.blocks.close()]
         reason, sequence = stop_reason(c)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
-        yield _sse({"type": "message_delta", "delta": delta, "usage": _usage(prompt_tokens, c)})
-        yield _sse({"type": "message_stop"})
-    except Exception as e:  # an ApiError, or a fault of ours: the client still gets an error event
-        if not isinstance(e, ApiError):
-            log.exception("a stream failed")
-        err = (
-            e
-            if isinstance(e, ApiError)
-            else ApiError(500, f"internal error: {type(e).__name__}", "internal_error")
-        )
-        yield _sse(anthropic_error_body(err.message, err.type, err.status))
-    finally:
-        await events.aclose()
+        data.append(_sse({"type": "message_delta", "delta": delta, "usage": _usage(self.prompt_tokens, c)}))
+        return [*data, _sse({"type": "message_stop"})]
+
+    def failed(self, e: ApiError) -> list[bytes]:
+        return [_sse(anthropic_error_body(e.message, e.type, e.status))]
+
+    def take(self, c: Choice, events: list[ReplyEvent]) -> None:
+        for ev in events:
+            self.blocks.feed(ev)
+
+    def whole(self, choices: list[Choice]) -> dict:
+        self.blocks.close()
+        c = self.c
+        return _message(self.rid, self.model, self.blocks.blocks, c, _usage(self.prompt_tokens, c))
 
 
-def register(app: FastAPI, state: ServerState, check_model: Callable[[str | None], None]) -> None:
-    """Add the Messages routes to `app`; their thinking signatures are this call's."""
-    signer = ThinkingSigner()
-    errors = {c: {"model": AnthropicError} for c in (400, 401, 404, 413, 422, 431, 500, 503)}
-    reply = {
-        "content": {"application/json": {}, "text/event-stream": {}},
-        "description": "a message or its events",
-    }
+ERRORS = {c: {"model": AnthropicError} for c in (400, 401, 404, 413, 422, 431, 500, 503)}
+REPLY = {
+    "content": {"application/json": {}, "text/event-stream": {}},
+    "description": "a message or its events",
+}
+router = APIRouter()
 
-    @app.post("/v1/messages", responses={**errors, 200: reply})
-    async def messages(req: MessagesRequest, request: Request):
-        check_model(req.model)
-        req.warn_unknown()
-        return await create_message(state, signer, req, request)
 
-    @app.post("/v1/messages/count_tokens", responses=errors)
-    async def count_tokens(req: CountTokensRequest, request: Request):
-        """The prompt tokens `/v1/messages` would use for the same request."""
-        check_model(req.model)
-        try:
-            chat = chat_request(req, signer)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        prompt = await prepare_chat(state, chat, request, ANTHROPIC_FIELD)
-        return {"input_tokens": len(prompt.ids)}
+@router.post("/v1/messages", responses={**ERRORS, 200: REPLY})
+async def messages(req: MessagesRequest, request: Request):
+    state: ServerState = request.app.state.m3lm
+    state.check_model(req.model)
+    req.warn_unknown()
+    return await create_message(state, ThinkingSigner(state.thinking_key), req, request)
+
+
+@router.post("/v1/messages/count_tokens", responses=ERRORS)
+async def count_tokens(req: CountTokensRequest, request: Request):
+    """The prompt tokens `/v1/messages` would use for the same request."""
+    state: ServerState = request.app.state.m3lm
+    state.check_model(req.model)
+    try:
+        chat = chat_request(req, ThinkingSigner(state.thinking_key))
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    prompt = await prepare_chat(state, chat, request, ANTHROPIC_FIELD)
+    return {"input_tokens": len(prompt.ids)}

@@ -1,8 +1,5 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes, auth, limits, errors, and `serve`.
-
-Routes: /v1/chat/completions, /v1/completions, /v1/models[/{id}], /health, /metrics, /tokenize,
-/detokenize, /tokenizer_info, /v1/responses[/{id}] (`responses.py`), Anthropic's
-/v1/messages[/count_tokens] (`anthropic.py`), and the chat page at / (`web.py`). Every error
+"""The OpenAI-compatible HTTP server: the app (its routes are `routes.py`'s, `responses.py`'s and
+`anthropic.py`'s; the chat page at / is `web.py`'s), auth, limits, errors, and `serve`. Every error
 is an OpenAI error object (Anthropic's on Anthropic's routes) with a truthful status. The API key
 guards every route but /health and the page's files and is compared in constant time. Model
 compute runs in the engine process (`m3lm.engine.engine_loop`); this one parses, tokenizes,
@@ -13,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
@@ -22,33 +18,24 @@ from functools import partial
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
-from starlette.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m3lm.config import LoadSpec
 from m3lm.errors import M3lmError
-from m3lm.server import anthropic, responses, web
+from m3lm.server import anthropic, responses, routes, web
 from m3lm.server.asgi import ApiKeyAuth, DrainingServer, JsonErrors, RequestLimits, guarded_h11
-from m3lm.server.chat_completions import chat_completion
-from m3lm.server.completions import completion
 from m3lm.server.effort import efforts_of
 from m3lm.server.engine_client import AsyncEngine
 from m3lm.server.handlers import ApiError, ServerState
 from m3lm.server.lifecycle import bind, stop_on_signals
 from m3lm.server.metrics import Metrics
 from m3lm.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
     Limits,
-    TokenizeRequest,
     body_bound,
-    documented_errors,
     error_body_for,
 )
 from m3lm.text.reasoning import ReplyFormat
-from m3lm.text.schema_values import template_messages
 from m3lm.version import __version__
 
 log = logging.getLogger("m3lm.server")
@@ -90,152 +77,47 @@ def build_app(
         redoc_url=None,
     )
     app.state.m3lm = state
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError):
-        return e.response(request.scope["path"])
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        error_of = partial(error_body_for, request.scope["path"])  # in the shape of the route's API
-        first = e.errors()[0] if e.errors() else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        if first.get("type") == "json_invalid":  # the location is a byte offset, not a field
-            why = (first.get("ctx") or {}).get("error")
-            at = first.get("loc", ())[-1:]
-            where = f" ({why} at character {at[0]})" if why and at else ""
-            return JSONResponse(error_of(f"the request body is not valid JSON{where}", status=400), 400)
-        if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
-            # no body, or one that is not an object (or not sent as JSON)
-            msg = "the request body must be a JSON object (sent with Content-Type: application/json)"
-            return JSONResponse(error_of(msg, status=400), 400)
-        msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
-        return JSONResponse(error_of(msg, param=loc or None, status=400), 400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        body = error_body_for(request.scope["path"], str(e.detail), kind, status=e.status_code)
-        return JSONResponse(body, e.status_code, headers=e.headers)
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, e: Exception):
-        log.exception("internal error")
-        message = f"internal error: {type(e).__name__}"
-        return JSONResponse(error_body_for(request.scope["path"], message, "internal_error", status=500), 500)
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise ApiError(
-                404,
-                f"the model {name!r} does not exist (this server serves {model_name!r})",
-                "not_found_error",
-            )
-
-    common = documented_errors(400, 401, 404, 413, 422, 431, 500, 503)
-    generation = {
-        **common,
-        200: {
-            "content": {"application/json": {}, "text/event-stream": {}},
-            "description": "a reply or an SSE stream",
-        },
-    }
-
-    @app.get("/health", responses={503: {"description": "draining, failed or not answering"}})
-    async def health():
-        error = "the server is shutting down" if state.draining else engine.health_error
-        if error is None:
-            return {"status": "ok"}
-        return JSONResponse({"status": "unhealthy", "error": error}, 503)
-
-    created = int(time.time())
-    card = {"id": model_name, "object": "model", "created": created, "owned_by": "m3lm"}
-
-    def sized_card() -> dict:
-        """The card with the context length (vLLM's field), the capacity (sequences run at once
-        and tokens the KV cache holds) and, for a model with a chat template, its effort levels."""
-        info = engine.info
-        return {
-            **card,
-            "max_model_len": state.max_model_len,
-            "max_num_seqs": info.max_num_seqs,
-            "kv_cache_tokens": info.kv_tokens,
-            **(efforts.card() if efforts is not None else {}),
-        }
-
-    @app.get("/v1/models", responses=common)
-    async def models():
-        return {"object": "list", "data": [sized_card()]}
-
-    @app.get("/v1/models/{model_id:path}", responses=common)
-    async def model(model_id: str):
-        check_model(model_id)
-        return sized_card()
-
-    @app.get("/tokenizer_info", responses=common)
-    async def tokenizer_info():
-        """The tokenizer's special tokens, class and chat template, for clients that tokenize
-        through the server (/tokenize, /detokenize)."""
-        if tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer")
-        return tokenizer.info(state.max_model_len)
-
-    @app.get("/metrics", response_class=PlainTextResponse, responses=common)
-    async def prometheus():
-        return PlainTextResponse(metrics.render(engine.info))
-
-    @app.post("/v1/chat/completions", responses=generation)
-    async def chat(req: ChatCompletionRequest, request: Request):
-        check_model(req.model)
-        req.warn_unknown()
-        return await chat_completion(state, req, request)
-
-    @app.post("/v1/completions", responses=generation)
-    async def complete(req: CompletionRequest, request: Request):
-        check_model(req.model)
-        req.warn_unknown()
-        return await completion(state, req, request)
-
-    anthropic.register(app, state, check_model)
-    responses.register(app, state, check_model)
-
-    @app.post("/tokenize", responses=common)
-    async def tokenize(req: TokenizeRequest):
-        check_model(req.model)
-        if tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer")
-        if (req.prompt is None) == (req.messages is None):
-            raise ApiError(400, "give exactly one of prompt and messages")
-        limit = state.max_prompt_tokens
-        try:
-            if req.messages is not None:
-                msgs = template_messages([m.for_template() for m in req.messages])
-                tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-                # as chat renders it: an M3.1-Flash template gets its default effort
-                kwargs = req.chat_template_kwargs
-                if efforts is not None:
-                    kwargs, _ = efforts.resolve(None, "reasoning_effort", kwargs, None)
-                ids = await run_in_threadpool(tokenizer.chat_prompt, msgs, tools, True, kwargs, limit)
-            else:
-                tokenizer.check_fits(req.prompt, limit)
-                ids = await run_in_threadpool(tokenizer.encode, req.prompt)
-        except ValueError as e:
-            raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
-        if len(ids) > limit:  # what cannot be a prompt is not listed: the answer stays small
-            raise ApiError(400, f"the text has {len(ids)} tokens; a prompt holds at most {limit}")
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
-
-    @app.post("/detokenize", responses=common)
-    async def detokenize(req: DetokenizeRequest):
-        check_model(req.model)
-        if tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer")
-        vocab = engine.info.vocab_size
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise ApiError(400, f"token ids must be in [0, {vocab})")
-        return {"prompt": await run_in_threadpool(tokenizer.decode, req.tokens)}
-
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal)
+    for router in (routes.router, anthropic.router, responses.router):
+        app.include_router(router)
     return app
+
+
+async def _api_error(request: Request, e: ApiError):
+    return e.response(request.scope["path"])
+
+
+async def _invalid(request: Request, e: RequestValidationError):
+    """The first validation error, in the shape of the route's API."""
+    error_of = partial(error_body_for, request.scope["path"])
+    first = e.errors()[0] if e.errors() else {}
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    if first.get("type") == "json_invalid":  # the location is a byte offset, not a field
+        why = (first.get("ctx") or {}).get("error")
+        at = first.get("loc", ())[-1:]
+        where = f" ({why} at character {at[0]})" if why and at else ""
+        return JSONResponse(error_of(f"the request body is not valid JSON{where}", status=400), 400)
+    if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        # no body, or one that is not an object (or not sent as JSON)
+        msg = "the request body must be a JSON object (sent with Content-Type: application/json)"
+        return JSONResponse(error_of(msg, status=400), 400)
+    msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
+    return JSONResponse(error_of(msg, param=loc or None, status=400), 400)
+
+
+async def _http_error(request: Request, e: StarletteHTTPException):
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    body = error_body_for(request.scope["path"], str(e.detail), kind, status=e.status_code)
+    return JSONResponse(body, e.status_code, headers=e.headers)
+
+
+async def _internal(request: Request, e: Exception):
+    log.exception("internal error")
+    message = f"internal error: {type(e).__name__}"
+    return JSONResponse(error_body_for(request.scope["path"], message, "internal_error", status=500), 500)
 
 
 def create_server_app(

@@ -195,130 +195,133 @@ def guarded_h11(limits: Limits) -> type[H11Protocol]:
       connection has a request under way is the newcomer refused, with a JSON 503.
     - A request that is not HTTP gets a JSON 400, one whose headers outgrow h11's buffer a 431.
     """
+    attrs = {"limits": limits, "waiting": collections.OrderedDict(), "dropped": set()}
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), attrs)
 
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on every phase of a connection (`guarded_h11`)."""
+
+    limits: Limits
     # The connections waiting for a request (or lingering), the one waiting longest first; and
-    # those closed to make room whose loss the event loop has not reported yet.
-    waiting: collections.OrderedDict[H11Protocol, None] = collections.OrderedDict()
-    dropped: set[H11Protocol] = set()
+    # those closed to make room whose loss the event loop has not reported yet (one server's).
+    waiting: collections.OrderedDict[H11Protocol, None]
+    dropped: set[H11Protocol]
+    _header_timer: asyncio.TimerHandle | None = None
+    _write_timer: asyncio.TimerHandle | None = None
+    _lingering = False
 
-    class GuardedH11Protocol(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
-        _write_timer: asyncio.TimerHandle | None = None
-        _lingering = False
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.waiting[self] = None
+        self._arm()
+        if (
+            len(self.connections) - len(self.dropped) > self.limits.max_connections
+            and not self._drop_longest_waiting()
+        ):
+            log.warning("over %d connections, all busy: a new one is refused", self.limits.max_connections)
+            self.app = _too_many_connections
 
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            waiting[self] = None
-            self._arm()
-            if (
-                len(self.connections) - len(dropped) > limits.max_connections
-                and not self._drop_longest_waiting()
-            ):
-                log.warning("over %d connections, all busy: a new one is refused", limits.max_connections)
-                self.app = _too_many_connections
-
-        def data_received(self, data: bytes) -> None:
-            if self._lingering:
-                return  # the rest of a body nobody reads
-            super().data_received(data)
-            if self.conn.their_state is h11.IDLE:  # a request begun, its headers not yet whole
-                if self._header_timer is None:
-                    self._arm()
-            else:
-                self._disarm()
-                waiting.pop(self, None)
-
-        def on_response_complete(self) -> None:
-            unread = self.conn.their_state is h11.SEND_BODY  # (the next cycle may start below)
-            super().on_response_complete()
-            if unread and not self.transport.is_closing():
-                self._linger()
-            elif self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                waiting[self] = None  # kept alive, waiting from now on
-
-        def _linger(self) -> None:
-            """End a connection whose request was answered before it was all read. Closing at once,
-            with its bytes unread, would reset the connection and could destroy the answer before
-            the client reads it; so the answer is followed by an end of stream, what still comes is
-            read and dropped for `LINGER_S` seconds, and then the connection is closed whatever the
-            client does."""
-            self._lingering = True
-            waiting[self] = None
-            waiting.move_to_end(self, last=False)  # worth nothing: the first to go
-            try:
-                self.transport.write_eof()
-            except OSError:  # the client has gone already
-                self.transport.close()
-                return
-            self.loop.call_later(LINGER_S, self.transport.close)
-
-        def connection_lost(self, exc) -> None:
-            waiting.pop(self, None)
-            dropped.discard(self)
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # the rest of a body nobody reads
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:  # a request begun, its headers not yet whole
+            if self._header_timer is None:
+                self._arm()
+        else:
             self._disarm()
-            if self._write_timer is not None:
-                self._write_timer.cancel()
-            super().connection_lost(exc)
+            self.waiting.pop(self, None)
 
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self._write_timer is None:
-                self._write_timer = self.loop.call_later(limits.write_timeout_s, self._not_reading)
-
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            if self._write_timer is not None:
-                self._write_timer.cancel()
-                self._write_timer = None
-
-        def _not_reading(self) -> None:
-            self._write_timer = None
-            self.transport.abort()  # close() would wait for the unread bytes to be flushed
-
-        def _drop_longest_waiting(self) -> bool:
-            victim = next((c for c in waiting if c is not self), None)
-            if victim is None:
-                return False
-            del waiting[victim]
-            dropped.add(victim)
-            victim.transport.close()
-            return True
-
-        def _arm(self) -> None:
-            self._header_timer = self.loop.call_later(limits.header_timeout_s, self._headers_too_slow)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_too_slow(self) -> None:
-            self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()
-
-        def send_400_response(self, msg: str) -> None:
-            # uvicorn calls this from its `except h11.RemoteProtocolError`, so the error is at hand.
-            status = getattr(sys.exc_info()[1], "error_status_hint", 400)
-            if status == 431:
-                text = "request headers too large"
-            else:
-                status, text = 400, f"malformed HTTP request: {msg}"
-            body = json.dumps(error_body(text, status=status)).encode()
-            headers = [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ]
-            for event in (
-                h11.Response(status_code=status, headers=headers, reason=_REASONS[status]),
-                h11.Data(data=body),
-                h11.EndOfMessage(),
-            ):
-                self.transport.write(self.conn.send(event))
+    def on_response_complete(self) -> None:
+        unread = self.conn.their_state is h11.SEND_BODY  # (the next cycle may start below)
+        super().on_response_complete()
+        if unread and not self.transport.is_closing():
             self._linger()
+        elif self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.waiting[self] = None  # kept alive, waiting from now on
 
-    return GuardedH11Protocol
+    def _linger(self) -> None:
+        """End a connection whose request was answered before it was all read. Closing at once,
+        with its bytes unread, would reset the connection and could destroy the answer before
+        the client reads it; so the answer is followed by an end of stream, what still comes is
+        read and dropped for `LINGER_S` seconds, and then the connection is closed whatever the
+        client does."""
+        self._lingering = True
+        self.waiting[self] = None
+        self.waiting.move_to_end(self, last=False)  # worth nothing: the first to go
+        try:
+            self.transport.write_eof()
+        except OSError:  # the client has gone already
+            self.transport.close()
+            return
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+    def connection_lost(self, exc) -> None:
+        self.waiting.pop(self, None)
+        self.dropped.discard(self)
+        self._disarm()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._not_reading)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _not_reading(self) -> None:
+        self._write_timer = None
+        self.transport.abort()  # close() would wait for the unread bytes to be flushed
+
+    def _drop_longest_waiting(self) -> bool:
+        victim = next((c for c in self.waiting if c is not self), None)
+        if victim is None:
+            return False
+        del self.waiting[victim]
+        self.dropped.add(victim)
+        victim.transport.close()
+        return True
+
+    def _arm(self) -> None:
+        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._headers_too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn calls this from its `except h11.RemoteProtocolError`, so the error is at hand.
+        status = getattr(sys.exc_info()[1], "error_status_hint", 400)
+        if status == 431:
+            text = "request headers too large"
+        else:
+            status, text = 400, f"malformed HTTP request: {msg}"
+        body = json.dumps(error_body(text, status=status)).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (
+            h11.Response(status_code=status, headers=headers, reason=_REASONS[status]),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self._linger()
 
 
 _REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}

@@ -5,116 +5,68 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from m3lm.server.choice import Choice, token_logprobs, usage
-from m3lm.server.handlers import (
-    RequestStream,
-    ServerState,
-    admit_chat,
-    check_output,
-    collect_choices,
-    collect_unless_gone,
-    merge,
-    openai_sse,
-    owning_stream,
-    prepare_chat,
-    prompt_logprobs_field,
-    sse,
-)
+from m3lm.core import StepOutput
+from m3lm.server.choice import Choice, OpenAIWriter, prompt_logprobs_field, token_logprobs, usage
+from m3lm.server.handlers import ServerState, admit_chat, prepare_chat
 from m3lm.server.protocol import ChatCompletionRequest
+from m3lm.server.reply_lifecycle import answer
+from m3lm.text.reasoning import ReplyEvent, to_openai_delta
 
 
 async def chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     prompt = await prepare_chat(state, req, request)
     slots, choices = admit_chat(state, prompt, request)
-    reply = _Reply(state, req, "chatcmpl-" + secrets.token_hex(12), int(time.time()), len(prompt.ids))
-    try:
-        if req.stream:
-            return owning_stream(openai_sse(reply.stream(slots.streams, choices)), slots)
-        try:
-            await collect_unless_gone(request, collect_choices(state, slots.streams, choices))
-        finally:
-            slots.release()
-        return await state.json_reply(reply.whole, choices)
-    except BaseException:
-        slots.release()
-        raise
+    writer = ChatWriter(req, state, "chatcmpl-" + secrets.token_hex(12), int(time.time()), len(prompt.ids))
+    return await answer(state, request, slots, choices, writer, req.stream)
 
 
-class _Reply:
+class ChatWriter(OpenAIWriter):
+    object = "chat.completion.chunk"
+
     def __init__(
-        self, state: ServerState, req: ChatCompletionRequest, rid: str, created: int, prompt_tokens: int
+        self, req: ChatCompletionRequest, state: ServerState, rid: str, created: int, prompt_tokens: int
     ):
-        self.state, self.req, self.rid, self.created, self.prompt_tokens = (
-            state,
-            req,
-            rid,
-            created,
-            prompt_tokens,
-        )
+        super().__init__(req, state.model_name, rid, created, prompt_tokens)
+        self.tokenizer = state.tokenizer
+        self.n = req.n
 
     def whole(self, choices: list[Choice]) -> dict:
-        state, req = self.state, self.req
+        req = self.req
         return {
             "id": self.rid,
             "object": "chat.completion",
             "created": self.created,
-            "model": state.model_name,
+            "model": self.model,
             "choices": [
                 {
                     "index": c.index,
                     "message": c.message(),
                     "logprobs": {"content": c.logprobs} if c.logprobs else None,
                     "finish_reason": c.finish,
-                    **prompt_logprobs_field(state, req, c),
+                    **prompt_logprobs_field(self.tokenizer, req, c),
                 }
                 for c in choices
             ],
             "usage": usage(self.prompt_tokens, choices, req.n),
         }
 
-    def _chunk(self, choices: list[dict], totals: dict | None = None) -> bytes:
-        return sse(
-            {
-                "id": self.rid,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.state.model_name,
-                "choices": choices,
-                "usage": totals,
-            }
-        )
-
     def _delta(self, index: int, delta: dict, logprobs=None, finish: str | None = None) -> bytes:
-        return self._chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
+        return self.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
-    async def stream(self, streams: list[RequestStream], choices: list[Choice]) -> AsyncIterator[bytes]:
-        state, req = self.state, self.req
-        for c in choices:
-            yield self._delta(c.index, {"role": "assistant", "content": ""})
-        events = merge(streams, state.limits.keepalive_s)
-        try:
-            async for event in events:
-                if event is None:
-                    yield b": keep-alive\n\n"
-                    continue
-                i, out = event
-                c = choices[i]
-                if c.finish is not None:
-                    continue
-                check_output(out)
-                lps = token_logprobs(state.tokenizer, out) if out.new_logprobs else []
-                deltas = c.consume(out) or ([{}] if lps else [])
-                for j, d in enumerate(deltas):
-                    yield self._delta(i, d, {"content": lps} if lps and j == 0 else None)
-                if c.stopped_by_string:
-                    streams[i].abort(completed=True)
-                if c.finish is not None:
-                    yield self._delta(i, {}, finish=c.finish)
-        finally:
-            await events.aclose()
-        if req.stream_options and req.stream_options.include_usage:
-            yield self._chunk([], usage(self.prompt_tokens, choices, req.n))
+    def opening(self) -> list[bytes]:
+        return [self._delta(i, {"role": "assistant", "content": ""}) for i in range(self.n)]
+
+    async def chunks(self, c: Choice, out: StepOutput, events: list[ReplyEvent]) -> list[bytes]:
+        """One delta a reply event (the first carries the output's logprobs), then the finish."""
+        lps = token_logprobs(self.tokenizer, out) if out.new_logprobs else []
+        deltas = [to_openai_delta(ev) for ev in events] or ([{}] if lps else [])
+        data = [
+            self._delta(c.index, d, {"content": lps} if lps and j == 0 else None)
+            for j, d in enumerate(deltas)
+        ]
+        if c.finish is not None:
+            data.append(self._delta(c.index, {}, finish=c.finish))
+        return data

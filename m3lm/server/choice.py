@@ -1,12 +1,15 @@
-"""One choice of an OpenAI reply (its text is `m3lm.text.reply.ReplyText`'s), and the usage and
-logprob objects of the OpenAI responses."""
+"""One choice of an OpenAI reply (its text is `m3lm.text.reply.ReplyText`'s), the usage and
+logprob objects of the OpenAI responses, and what OpenAI's two writers share (`OpenAIWriter`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from m3lm.core import StepOutput, TokenLogprob
-from m3lm.text.reasoning import ReplyEvent, to_openai_delta
+from m3lm.server.protocol import error_body
+from m3lm.text.reasoning import ReplyEvent
 from m3lm.text.reply import ReplyText
 
 
@@ -25,10 +28,6 @@ class Choice(ReplyText):
     def events(self, out: StepOutput) -> list[ReplyEvent]:
         self.cached = out.num_prefix_cached
         return super().events(out)
-
-    def consume(self, out: StepOutput) -> list[dict]:
-        """OpenAI deltas for one engine output (each delta is one kind only)."""
-        return [to_openai_delta(ev) for ev in self.events(out)]
 
     def message(self) -> dict:
         return self.parsed().message()
@@ -132,3 +131,57 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict | None:
         ],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_field(tokenizer, req, c: Choice) -> dict:
+    """vLLM's `prompt_logprobs` of a choice, when the request asked for it."""
+    if req.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": vllm_prompt_logprobs(tokenizer, c, req.prompt_logprobs)}
+
+
+_json = msgspec.json.Encoder().encode
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + _json(obj) + b"\n\n"
+
+
+class OpenAIWriter:
+    """What chat completions and completions write alike (`reply_lifecycle`'s writer): comment
+    keep-alives, an error event and `[DONE]` after a failure, the usage chunk when
+    `stream_options.include_usage` asks, then `[DONE]`. Each chunk carries the reply's id, object
+    name, creation time and model."""
+
+    object = ""
+
+    def __init__(self, req, model: str, rid: str, created: int, prompt_tokens: int):
+        self.req, self.model, self.rid, self.created, self.prompt_tokens = (
+            req,
+            model,
+            rid,
+            created,
+            prompt_tokens,
+        )
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def keepalive(self) -> bytes:
+        return b": keep-alive\n\n"
+
+    def take(self, c: Choice, events: list) -> None:
+        pass  # the whole reply is written from its choices
+
+    def chunk(self, choices: list[dict], totals: dict | None = None) -> bytes:
+        body = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model}
+        return sse({**body, "choices": choices, "usage": totals})
+
+    def closing(self, choices: list[Choice]) -> list[bytes]:
+        req, done = self.req, [b"data: [DONE]\n\n"]
+        if req.stream_options and req.stream_options.include_usage:
+            return [self.chunk([], usage(self.prompt_tokens, choices, req.n)), *done]
+        return done
+
+    def failed(self, e) -> list[bytes]:
+        return [sse(error_body(e.message, e.type, status=e.status)), b"data: [DONE]\n\n"]

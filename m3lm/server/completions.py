@@ -5,39 +5,28 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from m3lm.core import check_prompt_length
+from m3lm.core import StepOutput
 from m3lm.server.choice import (
     Choice,
+    OpenAIWriter,
     check_prompt_logprobs,
     completion_logprobs,
     echo_logprobs,
+    prompt_logprobs_field,
     token_logprobs,
     usage,
 )
-from m3lm.server.handlers import (
-    ApiError,
-    RequestStream,
-    ServerState,
-    Slots,
-    check_output,
-    check_rules,
-    collect_choices,
-    collect_unless_gone,
-    merge,
-    openai_sse,
-    owning_stream,
-    prompt_logprobs_field,
-    sse,
-    tenant_salt,
-)
+from m3lm.server.handlers import ApiError, ServerState, Slots, check_rules, tenant_salt
 from m3lm.server.protocol import CompletionRequest
+from m3lm.server.reply_lifecycle import answer
 from m3lm.server.structured import completion_rules
+from m3lm.text.reasoning import ReplyEvent
+from m3lm.text.tool_calls import ContentDelta
 
 
 async def completion(state: ServerState, req: CompletionRequest, request: Request):
@@ -50,16 +39,7 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
             raise ValueError(
                 f"{len(prompts)} prompts x n = {req.n} exceed the limit of {state.limits.max_n} choices"
             )
-        ids = []
-        for p in prompts:
-            if isinstance(p, str):
-                if tok is None:
-                    raise ValueError("this model has no tokenizer; send token ids")
-                tok.check_fits(p, state.max_prompt_tokens)
-                p = await run_in_threadpool(tok.encode, p)
-            else:  # before any copy of a long list
-                check_prompt_length(len(p), state.max_model_len)
-            ids.append(list(p))
+        ids = [await _prompt_ids(state, p) for p in prompts]
         per_token = (req.prompt_logprobs + 1 if req.prompt_logprobs is not None else 0) + (
             req.logprobs + 1 if req.echo and req.logprobs is not None else 0
         )
@@ -89,114 +69,93 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
             Choice(index=i, prompt_ids=ids[i // req.n], echo=echoes[i // req.n] if echoes else None)
             for i in range(len(slots.streams))
         ]
-        reply = _Reply(state, req, "cmpl-" + secrets.token_hex(12), int(time.time()), sum(map(len, ids)))
-        if req.stream:
-            return owning_stream(openai_sse(reply.stream(slots.streams, choices)), slots)
-        try:
-            await collect_unless_gone(request, collect_choices(state, slots.streams, choices))
-        finally:
-            slots.release()
-        return await state.json_reply(reply.whole, choices)
     except BaseException:
         slots.release()
         raise
+    writer = CompletionWriter(
+        req, state, "cmpl-" + secrets.token_hex(12), int(time.time()), sum(map(len, ids))
+    )
+    return await answer(state, request, slots, choices, writer, req.stream)
 
 
-class _Reply:
+async def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
+    """A prompt's ids: text tokenized (refused unread when it cannot fit), ids as they are (they
+    are checked once, as every prompt is, on admission: `AsyncEngine.add`)."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if state.tokenizer is None:
+        raise ValueError("this model has no tokenizer; send token ids")
+    state.tokenizer.check_fits(prompt, state.max_prompt_tokens)
+    return await run_in_threadpool(state.tokenizer.encode, prompt)
+
+
+class CompletionWriter(OpenAIWriter):
+    object = "text_completion"
+
     def __init__(
-        self, state: ServerState, req: CompletionRequest, rid: str, created: int, prompt_tokens: int
+        self, req: CompletionRequest, state: ServerState, rid: str, created: int, prompt_tokens: int
     ):
-        self.state, self.req, self.rid, self.created, self.prompt_tokens = (
-            state,
-            req,
-            rid,
-            created,
-            prompt_tokens,
-        )
+        super().__init__(req, state.model_name, rid, created, prompt_tokens)
+        self.state, self.tokenizer = state, state.tokenizer
         # token ids in the reply: asked for, or the only form of the output without a tokenizer
         self.ids = bool(req.return_token_ids) or state.tokenizer is None
 
     def whole(self, choices: list[Choice]) -> dict:
-        state, req = self.state, self.req
+        req, tok = self.req, self.tokenizer
         echo_lps = req.echo and req.logprobs is not None
         return {
             "id": self.rid,
-            "object": "text_completion",
+            "object": self.object,
             "created": self.created,
-            "model": state.model_name,
+            "model": self.model,
             "choices": [
                 {
                     "index": c.index,
                     "text": (c.echo or "") + "".join(c.content),
-                    "logprobs": completion_logprobs(
-                        (echo_logprobs(state.tokenizer, c) if echo_lps else []) + c.logprobs
-                    ),
+                    "logprobs": completion_logprobs((echo_logprobs(tok, c) if echo_lps else []) + c.logprobs),
                     "finish_reason": c.finish,
                     **({"token_ids": c.token_ids} if self.ids else {}),
-                    **prompt_logprobs_field(state, req, c),
+                    **prompt_logprobs_field(tok, req, c),
                 }
                 for c in choices
             ],
             "usage": usage(self.prompt_tokens, choices, req.n),
         }
 
-    def _chunk(self, choices: list[dict], totals: dict | None = None) -> bytes:
-        return sse(
-            {
-                "id": self.rid,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.state.model_name,
-                "choices": choices,
-                "usage": totals,
-            }
-        )
-
     def _text(self, index: int, text: str, extra: dict | None = None, finish: str | None = None) -> bytes:
         extra = dict(extra or {})
         logprobs = extra.pop("logprobs", None)
-        body = {"index": index, "text": text, **extra, "logprobs": logprobs, "finish_reason": finish}
-        return self._chunk([body])
+        return self.chunk(
+            [{"index": index, "text": text, **extra, "logprobs": logprobs, "finish_reason": finish}]
+        )
 
-    async def stream(self, streams: list[RequestStream], choices: list[Choice]) -> AsyncIterator[bytes]:
-        state, req, tok = self.state, self.req, self.state.tokenizer
-        events = merge(streams, state.limits.keepalive_s)
-        try:
-            async for event in events:
-                if event is None:
-                    yield b": keep-alive\n\n"
-                    continue
-                i, out = event
-                c = choices[i]
-                if c.finish is not None:
-                    continue
-                check_output(out)
-                if c.echo is not None:  # the prompt first: its text, and its tokens' logprobs if asked
-                    c.prompt_logprobs = out.prompt_logprobs
-                    head = (
-                        await self.state.offload(echo_logprobs, tok, c)
-                        if c.prompt_logprobs is not None
-                        else []
-                    )
-                    extra = {"logprobs": completion_logprobs(head, c.offset)} if head else {}
-                    c.offset += sum(len(e["token"]) for e in head)
-                    yield self._text(i, c.echo, extra)
-                    c.echo = None
-                lps = token_logprobs(tok, out) if out.new_logprobs else []
-                deltas = c.consume(out)
-                if (lps or (self.ids and out.new_token_ids)) and not deltas:
-                    deltas = [{"content": ""}]
-                for j, d in enumerate(deltas):
-                    extra = {"token_ids": out.new_token_ids} if self.ids and j == 0 else {}
-                    if lps and j == 0:
-                        extra["logprobs"] = completion_logprobs(lps, c.offset)
-                        c.offset += sum(len(e["token"]) for e in lps)
-                    yield self._text(i, d.get("content", ""), extra)
-                if c.stopped_by_string:
-                    streams[i].abort(completed=True)
-                if c.finish is not None:
-                    yield self._text(i, "", finish=c.finish)
-        finally:
-            await events.aclose()
-        if req.stream_options and req.stream_options.include_usage:
-            yield self._chunk([], usage(self.prompt_tokens, choices, req.n))
+    async def chunks(self, c: Choice, out: StepOutput, events: list[ReplyEvent]) -> list[bytes]:
+        """The echoed prompt first (with its logprobs if asked), then a piece of text a reply
+        event with the output's token ids and logprobs on the first, then the finish."""
+        data = [await self._echo(c, out)] if c.echo is not None else []
+        lps = token_logprobs(self.tokenizer, out) if out.new_logprobs else []
+        texts = [ev.text for ev in events if isinstance(ev, ContentDelta)]
+        if (lps or (self.ids and out.new_token_ids)) and not texts:
+            texts = [""]
+        for j, text in enumerate(texts):
+            extra = {"token_ids": out.new_token_ids} if self.ids and j == 0 else {}
+            if lps and j == 0:
+                extra["logprobs"] = completion_logprobs(lps, c.offset)
+                c.offset += sum(len(e["token"]) for e in lps)
+            data.append(self._text(c.index, text, extra))
+        if c.finish is not None:
+            data.append(self._text(c.index, "", finish=c.finish))
+        return data
+
+    async def _echo(self, c: Choice, out: StepOutput) -> bytes:
+        """The prompt's text, and its tokens' logprobs when asked (built off the event loop)."""
+        c.prompt_logprobs = out.prompt_logprobs
+        head = (
+            await self.state.offload(echo_logprobs, self.tokenizer, c)
+            if c.prompt_logprobs is not None
+            else []
+        )
+        extra = {"logprobs": completion_logprobs(head, c.offset)} if head else {}
+        c.offset += sum(len(e["token"]) for e in head)
+        echo, c.echo = c.echo, None
+        return self._text(c.index, echo, extra)

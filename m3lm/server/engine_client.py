@@ -414,18 +414,22 @@ class AsyncEngine:
                 self._stalled = False
                 log.warning("the engine answers again")
             if isinstance(msg, m.Outputs):
-                if self.metrics is not None:
-                    self.metrics.observe_stats(msg.stats)
-                by_loop: dict = {}
-                for out in msg.outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        by_loop.setdefault(stream.loop, []).append((stream, out))
-                for loop, pairs in by_loop.items():
-                    loop.call_soon_threadsafe(self._dispatch, pairs)
+                self._hand_out(msg)
             elif isinstance(msg, (m.Dead, m.Failed)):
                 self._die(msg.error)
                 return
+
+    def _hand_out(self, msg: m.Outputs) -> None:
+        """On the receiver thread: the step's stats to the metrics, each output to its stream's loop."""
+        if self.metrics is not None:
+            self.metrics.observe_stats(msg.stats)
+        by_loop: dict = {}
+        for out in msg.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, pairs in by_loop.items():
+            loop.call_soon_threadsafe(self._dispatch, pairs)
 
     def _dispatch(self, pairs: list[tuple[RequestStream, StepOutput]]) -> None:
         """On the event loop: each request's new text, then its stream's queue."""

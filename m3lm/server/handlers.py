@@ -1,47 +1,40 @@
-"""What every API shares: admission into `Slots`, the chat pipeline, merged streams, SSE.
+"""Admission, which every API shares: `Slots` (the engine requests of one HTTP request and the
+one way to free them) and the chat pipeline (`prepare_chat`, `admit_chat`).
 
 Admission (validation, the queue) is decided before any response header is sent, so a stream
 never starts with 200 and then fails for capacity. Every API that speaks in messages comes
 through `prepare_chat` and `admit_chat`; reasoning and tool calls are split from the answer on
-token ids (`ReplyParser`), and in chat, stop strings apply to the answer only. Each API writes
-its own replies: `chat_completions`, `completions`, `responses`, `anthropic`.
+token ids (`ReplyParser`), and in chat, stop strings apply to the answer only. What follows
+admission is `reply_lifecycle.answer`'s, with each API's writer: `chat_completions`,
+`completions`, `responses`, `anthropic`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from m3lm.core import SamplingParams, StepOutput, StructuredOutput
-from m3lm.server.choice import (
-    Choice,
-    check_prompt_logprobs,
-    token_logprobs,
-    vllm_prompt_logprobs,
-)
+from m3lm.core import SamplingParams, StructuredOutput
+from m3lm.server.choice import Choice, check_prompt_logprobs
 from m3lm.server.effort import Efforts
-from m3lm.server.engine_client import (
-    AsyncEngine,
-    EngineDead,
-    Interrupted,
-    QueueFull,
-    RequestStream,
-)
+from m3lm.server.engine_client import AsyncEngine, EngineDead, Interrupted, QueueFull, RequestStream
 from m3lm.server.grammar_checks import ChecksBusy, GrammarChecks
 from m3lm.server.metrics import Metrics
-from m3lm.server.protocol import ChatCompletionRequest, Limits, error_body, error_body_for
+from m3lm.server.protocol import ChatCompletionRequest, Limits, error_body_for
+from m3lm.server.response_store import ResponseStore
 from m3lm.server.structured import chat_rules
 from m3lm.text.detokenize import StopStrings
-from m3lm.text.reasoning import ReplyEvent, ReplyFormat, ReplyParser, detect_thinking_mode
+from m3lm.text.reasoning import ReplyFormat, ReplyParser, ThinkingMode, detect_thinking_mode
 from m3lm.text.schema_values import ToolChoicePlan, plan_tool_choice, template_messages
 
 _json = msgspec.json.Encoder().encode
@@ -83,6 +76,18 @@ class ServerState:
     replies: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "m3lm-reply"))
     keys_share: bool = False  # several API keys: each holds at most `max_requests_per_key`
     open_by_key: dict[str, int] = field(default_factory=dict)  # engine requests each API key holds
+    created: int = field(default_factory=lambda: int(time.time()))  # the model card's
+    stored: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's
+    thinking_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))  # signs Anthropic's thinking
+
+    def check_model(self, name: str | None) -> None:
+        """A 404 for a request naming a model other than this server's (no name: this one)."""
+        if name is not None and name != self.model_name:
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist (this server serves {self.model_name!r})",
+                "not_found_error",
+            )
 
     @property
     def max_requests_per_key(self) -> int:
@@ -185,25 +190,6 @@ def _admission_error(state: ServerState, e: BaseException) -> BaseException:
     return e
 
 
-class _OwningStream(StreamingResponse):
-    """A streamed reply that releases its request's slots however the sending ends."""
-
-    def __init__(self, content, slots: Slots, **kwargs):
-        super().__init__(content, **kwargs)
-        self.slots = slots
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.slots.release()
-
-
-def owning_stream(body: AsyncIterator[bytes], slots: Slots) -> StreamingResponse:
-    """An SSE reply that takes `slots` over: they are released once it is sent, failed or cut off."""
-    return _OwningStream(body, slots, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
 def _nth_seed(seed: int, i: int) -> int:
     """The seed of a request's i-th choice: seed + i, wrapping around the signed 64-bit range."""
     return (seed + i + 2**63) % 2**64 - 2**63
@@ -218,52 +204,6 @@ def _abort(streams: list[RequestStream]) -> None:
         s.abort()
 
 
-async def merge(
-    streams: list[RequestStream], tick: float | None = None
-) -> AsyncIterator[tuple[int, StepOutput] | None]:
-    """Outputs of several streams as (index, output), in arrival order (their `Slots` free them).
-
-    With `tick`, None comes after every `tick` seconds without an output (for keep-alives); waiting
-    is never what ends a stream: a queued or slow request keeps its place.
-    """
-    if len(streams) == 1:  # the common case, without a task and a queue between
-        while True:
-            try:
-                out = await streams[0].next(tick)
-            except StopAsyncIteration:
-                return
-            yield None if out is None else (0, out)
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s: RequestStream) -> None:
-        try:
-            async for out in s:
-                await q.put((i, out))
-        except BaseException as e:
-            await q.put((i, e))
-        finally:
-            await q.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    live = len(tasks)
-    try:
-        while live:
-            try:
-                i, item = await asyncio.wait_for(q.get(), tick)
-            except TimeoutError:
-                yield None
-                continue
-            if item is None:
-                live -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
 @dataclass
 class ChatPrompt:
     """A validated chat request made ready for admission: its prompt ids, sampling and reply rules.
@@ -276,6 +216,7 @@ class ChatPrompt:
     tools: list[dict]
     stops: list[str]
     n: int
+    mode: ThinkingMode | None  # the thinking mode the prompt leaves the reply in (`detect_thinking_mode`)
 
 
 async def prepare_chat(
@@ -314,7 +255,7 @@ async def prepare_chat(
         params = replace(params, structured=rules, thinking=thinking)
     except ValueError as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
-    return ChatPrompt(prompt_ids, params, plan, tool_dicts, req.stops(), req.n)
+    return ChatPrompt(prompt_ids, params, plan, tool_dicts, req.stops(), req.n, mode)
 
 
 async def check_rules(state: ServerState, request: Request, rules: StructuredOutput | None) -> None:
@@ -335,11 +276,10 @@ def admit_chat(state: ServerState, prompt: ChatPrompt, request: Request) -> tupl
     slots = Slots(state, getattr(request.state, "tenant", None))
     try:
         slots.add(prompt.ids, prompt.params, prompt.n)
-        mode = detect_thinking_mode(prompt.ids, state.fmt.reasoning) if state.fmt else None
         choices = [
             Choice(
                 index=i,
-                parser=ReplyParser(state.fmt, mode, prompt.tools, prompt.plan) if state.fmt else None,
+                parser=ReplyParser(state.fmt, prompt.mode, prompt.tools, prompt.plan) if state.fmt else None,
                 stops=StopStrings(prompt.stops) if prompt.stops else None,
             )
             for i in range(prompt.n)
@@ -348,117 +288,3 @@ def admit_chat(state: ServerState, prompt: ChatPrompt, request: Request) -> tupl
         slots.release()
         raise
     return slots, choices
-
-
-async def reply_events(
-    streams: list[RequestStream], choices: list[Choice], tick: float | None = None
-) -> AsyncIterator[tuple[Choice, list[ReplyEvent]] | None]:
-    """Each engine output of admitted choices as (choice, its typed reply events), for the
-    translation layers; None every `tick` seconds without output (their keep-alives). A failure
-    is an ApiError. Choices the streams left unfinished end "abort"."""
-    events = merge(streams, tick)
-    try:
-        async for item in events:
-            if item is None:
-                yield None
-                continue
-            i, out = item
-            c = choices[i]
-            if c.finish is not None:
-                continue
-            check_output(out)
-            evs = c.events(out)
-            if c.stopped_by_string:
-                streams[i].abort(completed=True)
-            yield c, evs
-    except EngineDead as e:
-        raise ApiError(500, f"the engine stopped: {e}", "internal_error") from None
-    except Interrupted as e:
-        raise ApiError(503, str(e), "service_unavailable") from None
-    finally:
-        await events.aclose()
-    for c in choices:
-        c.finish = c.finish or "abort"
-
-
-async def collect_choices(state: ServerState, streams: list[RequestStream], choices: list[Choice]) -> None:
-    """A whole reply's outputs into its choices (text, logprobs, prompt logprobs); a stop string
-    found here ends its engine request. Choices the streams left unfinished end "abort"."""
-    async for i, out in merge(streams):  # type: ignore[misc]  # no tick: never None
-        check_output(out)
-        c = choices[i]
-        c.consume(out)
-        if state.tokenizer is not None and out.new_logprobs:
-            c.logprobs += token_logprobs(state.tokenizer, out)
-        c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
-        if c.stopped_by_string:
-            streams[i].abort(completed=True)
-    for c in choices:
-        c.finish = c.finish or "abort"
-
-
-async def collect_unless_gone(request: Request, collect) -> None:
-    """Run `collect` unless the client disconnects first (the caller then releases the slots);
-    the engine's failures become the API's errors."""
-    task = asyncio.ensure_future(collect)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when this handler is cancelled
-        gone.cancel()
-        left = not task.done()
-        if left:
-            task.cancel()
-    if left:
-        raise ApiError(499, "client disconnected")
-    try:
-        task.result()
-    except EngineDead as e:
-        raise ApiError(500, f"the engine stopped: {e}", "internal_error") from None
-    except Interrupted as e:  # stalled, or the server is shutting down
-        raise ApiError(503, str(e), "service_unavailable") from None
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body was read already, so only a disconnect comes)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def prompt_logprobs_field(state: ServerState, req, c: Choice) -> dict:
-    """vLLM's `prompt_logprobs` of a choice, when the request asked for it."""
-    if req.prompt_logprobs is None:
-        return {}
-    return {"prompt_logprobs": vllm_prompt_logprobs(state.tokenizer, c, req.prompt_logprobs)}
-
-
-def check_output(out: StepOutput) -> None:
-    if out.finish_reason == "error":
-        detail = out.error or "unknown error"
-        if detail.startswith("structured output:"):  # the request's grammar, not the server
-            raise ApiError(400, detail)
-        raise ApiError(500, f"generation failed: {detail}", "internal_error")
-
-
-def sse(obj: dict) -> bytes:
-    return b"data: " + _json(obj) + b"\n\n"
-
-
-async def openai_sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """An OpenAI event stream: `events`, then `[DONE]`; a failure on the way is an error event
-    before the end, so a client always sees why a stream stopped."""
-    try:
-        async for data in events:
-            yield data
-    except ApiError as e:
-        yield sse(error_body(e.message, e.type, status=e.status))
-    except EngineDead as e:
-        yield sse(error_body(f"the engine stopped: {e}", "internal_error", status=500))
-    except Interrupted as e:
-        yield sse(error_body(str(e), "service_unavailable", status=503))
-    except Exception as e:  # a fault of ours: the client still gets an error event and the end
-        log.exception("a stream failed")
-        yield sse(error_body(f"internal error: {type(e).__name__}", "internal_error", status=500))
-    finally:
-        await events.aclose()
-    yield b"data: [DONE]\n\n"

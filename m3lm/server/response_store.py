@@ -3,6 +3,7 @@ count and bytes, by API key, fair between keys."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import msgspec
@@ -15,17 +16,23 @@ class ResponseStore:
     """Stored responses with the items of their conversation, by id within one API key's
     namespace (a tenant), at most `capacity` of them and `max_bytes` of their JSON. When full,
     the tenant holding the most bytes loses its least recently used one: a tenant that stores
-    more than the others evicts its own responses, not theirs."""
+    more than the others evicts its own responses, not theirs. Whole responses are stored from
+    the replies' threads, streamed ones from the event loop: a lock keeps the two apart."""
 
     def __init__(self, capacity: int = STORED, max_bytes: int = STORED_BYTES) -> None:
         self.capacity, self.max_bytes = capacity, max_bytes
         self._entries: OrderedDict[tuple[str | None, str], tuple[dict, list[dict], int]] = OrderedDict()
         self._bytes: dict[str | None, int] = {}  # each tenant's, of what it stores
+        self._lock = threading.Lock()
 
     def put(self, tenant: str | None, response: dict, items: list[dict]) -> None:
         size = len(msgspec.json.encode([response, items]))
         if size > self.max_bytes:
             return  # never kept: it would take the whole store
+        with self._lock:
+            self._put(tenant, response, items, size)
+
+    def _put(self, tenant: str | None, response: dict, items: list[dict], size: int) -> None:
         self._drop((tenant, response["id"]))
         self._entries[(tenant, response["id"])] = (response, items, size)
         self._bytes[tenant] = self._bytes.get(tenant, 0) + size
@@ -41,8 +48,9 @@ class ResponseStore:
                 del self._bytes[key[0]]
 
     def get(self, tenant: str | None, rid: str) -> tuple[dict, list[dict]] | None:
-        entry = self._entries.get((tenant, rid))
-        if entry is None:
-            return None
-        self._entries.move_to_end((tenant, rid))
-        return entry[0], entry[1]
+        with self._lock:
+            entry = self._entries.get((tenant, rid))
+            if entry is None:
+                return None
+            self._entries.move_to_end((tenant, rid))
+            return entry[0], entry[1]

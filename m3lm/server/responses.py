@@ -13,33 +13,21 @@ The request, its fields and its translation: `responses_request`.
 from __future__ import annotations
 
 import copy
-import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 
 from m3lm.server.choice import Choice
-from m3lm.server.engine_client import RequestStream
-from m3lm.server.handlers import (
-    ApiError,
-    ServerState,
-    admit_chat,
-    collect_unless_gone,
-    owning_stream,
-    prepare_chat,
-    reply_events,
-)
+from m3lm.server.handlers import ApiError, ServerState, admit_chat, prepare_chat
 from m3lm.server.protocol import documented_errors
-from m3lm.server.response_store import ResponseStore
+from m3lm.server.reply_lifecycle import answer
 from m3lm.server.responses_request import ResponsesRequest, chat_request, chat_tools
 from m3lm.text.reasoning import ReasoningText, ReplyEvent
 from m3lm.text.tool_calls import ToolCallArguments, ToolCallHeader
 
 _json = msgspec.json.Encoder().encode
-log = logging.getLogger("m3lm.server")
 
 
 class OutputItems:
@@ -150,16 +138,28 @@ def _id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-class _Reply:
-    """One response in the making: its request, ids and the fields every form of it shares."""
+class ResponseWriter:
+    """One response in the making, whole or as the Responses stream events (`reply_lifecycle`'s
+    writer): its request, ids, output items, and the fields every form of it shares. A finished
+    response is stored when the request asks for it."""
 
-    def __init__(self, state: ServerState, req: ResponsesRequest, prompt_tokens: int, history: list[dict]):
-        self.req, self.prompt_tokens, self.history = req, prompt_tokens, history
+    def __init__(
+        self,
+        state: ServerState,
+        req: ResponsesRequest,
+        prompt_tokens: int,
+        history: list[dict],
+        c: Choice,
+        tenant: str | None,
+    ):
+        self.req, self.prompt_tokens, self.history, self.c = req, prompt_tokens, history, c
+        self.store, self.tenant = state.stored, tenant
         self.id, self.created = _id("resp_"), int(time.time())
         self.model = req.model or state.model_name
         effort = req.reasoning.effort if req.reasoning else None
         self.effort = state.efforts.effective(effort) if state.efforts is not None else effort
         self.out = OutputItems(chat_tools(req.tools or [])[1])
+        self.sequence = 0  # of the next stream event
 
     def body(self, status: str, c: Choice | None = None, error: dict | None = None) -> dict:
         req = self.req
@@ -199,19 +199,56 @@ class _Reply:
             "metadata": req.metadata or {},
         }
 
-    def finish(self, c: Choice, store: ResponseStore, tenant: str | None) -> dict:
+    def finish(self) -> dict:
         """The final response (stored when the request asked for it)."""
-        response = self.body("incomplete" if c.finish == "length" else "completed", c)
+        response = self.body(self._status(), self.c)
         if self.req.store is not False:
-            store.put(tenant, response, self.history + self.req.input_items() + response["output"])
+            self.store.put(self.tenant, response, self.history + self.req.input_items() + response["output"])
         return response
 
+    def _status(self) -> str:
+        return "incomplete" if self.c.finish == "length" else "completed"
 
-async def create_response(state: ServerState, store: ResponseStore, req: ResponsesRequest, request: Request):
+    def _sse(self, data: dict) -> bytes:
+        data["sequence_number"], self.sequence = self.sequence, self.sequence + 1
+        return b"event: " + data["type"].encode() + b"\ndata: " + _json(data) + b"\n\n"
+
+    def opening(self) -> list[bytes]:
+        return [
+            self._sse({"type": "response.created", "response": self.body("in_progress")}),
+            self._sse({"type": "response.in_progress", "response": self.body("in_progress")}),
+        ]
+
+    async def chunks(self, c: Choice, out, events: list[ReplyEvent]) -> list[bytes]:
+        return [self._sse(data) for ev in events for data in self.out.feed(ev)]
+
+    def keepalive(self) -> bytes:
+        return b": keep-alive\n\n"
+
+    def closing(self, choices: list[Choice]) -> list[bytes]:
+        data = [self._sse(d) for d in self.out.close(self._status())]
+        response = self.finish()
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        return [*data, self._sse({"type": kind, "response": response})]
+
+    def failed(self, e: ApiError) -> list[bytes]:
+        failed = self.body("failed", self.c, {"code": "server_error", "message": e.message})
+        return [self._sse({"type": "response.failed", "response": failed})]
+
+    def take(self, c: Choice, events: list[ReplyEvent]) -> None:
+        for ev in events:
+            self.out.feed(ev)
+
+    def whole(self, choices: list[Choice]) -> dict:
+        self.out.close(self._status())
+        return self.finish()
+
+
+async def create_response(state: ServerState, req: ResponsesRequest, request: Request):
     tenant = getattr(request.state, "tenant", None)
     history: list[dict] = []
     if req.previous_response_id is not None:
-        entry = store.get(tenant, req.previous_response_id)
+        entry = state.stored.get(tenant, req.previous_response_id)
         if entry is None:
             raise ApiError(
                 404, f"previous response {req.previous_response_id!r} not found", "not_found_error"
@@ -223,83 +260,30 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
         raise ApiError(400, str(e)) from None
     prompt = await prepare_chat(state, chat, request, "reasoning.effort")
     slots, choices = admit_chat(state, prompt, request)
-    reply = _Reply(state, req, len(prompt.ids), history)
-    c = choices[0]
-    if req.stream:  # the response owns the slots from here
-        return owning_stream(_stream(state, store, tenant, reply, slots.streams, c), slots)
-
-    async def collect() -> None:
-        async for _, events in reply_events(slots.streams, choices):  # type: ignore[misc]  # no tick: never None
-            for ev in events:
-                reply.out.feed(ev)
-        reply.out.close("incomplete" if c.finish == "length" else "completed")
-
-    try:
-        await collect_unless_gone(request, collect())
-    finally:
-        slots.release()
-    return reply.finish(c, store, tenant)
+    writer = ResponseWriter(state, req, len(prompt.ids), history, choices[0], tenant)
+    return await answer(state, request, slots, choices, writer, req.stream)
 
 
-async def _stream(
-    state: ServerState,
-    store: ResponseStore,
-    tenant: str | None,
-    reply: _Reply,
-    streams: list[RequestStream],
-    c: Choice,
-) -> AsyncIterator[bytes]:
-    sequence = 0
-
-    def sse(data: dict) -> bytes:
-        nonlocal sequence
-        data["sequence_number"], sequence = sequence, sequence + 1
-        return b"event: " + data["type"].encode() + b"\ndata: " + _json(data) + b"\n\n"
-
-    yield sse({"type": "response.created", "response": reply.body("in_progress")})
-    yield sse({"type": "response.in_progress", "response": reply.body("in_progress")})
-    events = reply_events(streams, [c], state.limits.keepalive_s)
-    try:
-        async for item in events:
-            if item is None:
-                yield b": keep-alive\n\n"
-                continue
-            for ev in item[1]:
-                for data in reply.out.feed(ev):
-                    yield sse(data)
-        for data in reply.out.close("incomplete" if c.finish == "length" else "completed"):
-            yield sse(data)
-        response = reply.finish(c, store, tenant)
-        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
-        yield sse({"type": kind, "response": response})
-    except Exception as e:  # an ApiError, or a fault of ours: the response still fails in its words
-        if not isinstance(e, ApiError):
-            log.exception("a stream failed")
-        message = e.message if isinstance(e, ApiError) else f"internal error: {type(e).__name__}"
-        failed = reply.body("failed", c, {"code": "server_error", "message": message})
-        yield sse({"type": "response.failed", "response": failed})
-    finally:
-        await events.aclose()
+ERRORS = documented_errors(400, 401, 404, 413, 422, 431, 500, 503)
+REPLY = {
+    "content": {"application/json": {}, "text/event-stream": {}},
+    "description": "a response or its events",
+}
+router = APIRouter()
 
 
-def register(app: FastAPI, state: ServerState, check_model) -> None:
-    """Add the Responses routes to `app`, with their store of responses."""
-    store = ResponseStore()
-    errors = documented_errors(400, 401, 404, 413, 422, 431, 500, 503)
-    reply = {
-        "content": {"application/json": {}, "text/event-stream": {}},
-        "description": "a response or its events",
-    }
+@router.post("/v1/responses", responses={**ERRORS, 200: REPLY})
+async def responses(req: ResponsesRequest, request: Request):
+    state: ServerState = request.app.state.m3lm
+    state.check_model(req.model)
+    req.warn_unknown()
+    return await create_response(state, req, request)
 
-    @app.post("/v1/responses", responses={**errors, 200: reply})
-    async def responses(req: ResponsesRequest, request: Request):
-        check_model(req.model)
-        req.warn_unknown()
-        return await create_response(state, store, req, request)
 
-    @app.get("/v1/responses/{response_id}", responses=errors)
-    async def get_response(response_id: str, request: Request):
-        entry = store.get(getattr(request.state, "tenant", None), response_id)
-        if entry is None:
-            raise ApiError(404, f"response {response_id!r} not found", "not_found_error")
-        return entry[0]
+@router.get("/v1/responses/{response_id}", responses=ERRORS)
+async def get_response(response_id: str, request: Request):
+    state: ServerState = request.app.state.m3lm
+    entry = state.stored.get(getattr(request.state, "tenant", None), response_id)
+    if entry is None:
+        raise ApiError(404, f"response {response_id!r} not found", "not_found_error")
+    return entry[0]

@@ -65,6 +65,24 @@ def _response_format(rf: Mapping[str, Any] | None) -> StructuredOutput | None:
 def _structured_outputs(so: Any) -> StructuredOutput | None:
     if so is None:
         return None
+    key, value = _one_kind(so)
+    if key == "json_object":
+        if value is not True:
+            raise ValueError("structured_outputs.json_object must be true")
+        return StructuredOutput("json_object")
+    if key == "json":
+        return StructuredOutput("json", _schema_text(_json_schema(value)))
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        return StructuredOutput("choice", json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"structured_outputs.{key} must be a non-empty string")
+    return StructuredOutput(_VLLM_KINDS[key], value)
+
+
+def _one_kind(so: Any) -> tuple[str, Any]:
+    """vLLM's `structured_outputs`: the one kind it sets (unset: None or false) and its value."""
     if not isinstance(so, Mapping):
         raise ValueError("structured_outputs must be an object")
     given = {k: v for k, v in so.items() if v is not None and v is not False}
@@ -74,26 +92,19 @@ def _structured_outputs(so: Any) -> StructuredOutput | None:
     if len(given) != 1:
         raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object")
     ((key, value),) = given.items()
-    if key == "json_object":
-        if value is not True:
-            raise ValueError("structured_outputs.json_object must be true")
-        return StructuredOutput("json_object")
-    if key == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
-        if not isinstance(value, (Mapping, bool)):
-            raise ValueError("structured_outputs.json must be a JSON schema")
-        return StructuredOutput("json", _schema_text(value))
-    if key == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
-        return StructuredOutput("choice", json.dumps(value))
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"structured_outputs.{key} must be a non-empty string")
-    return StructuredOutput(_VLLM_KINDS[key], value)
+    return key, value
+
+
+def _json_schema(value: Any) -> Any:
+    """`structured_outputs.json`: a schema, or its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
+    if not isinstance(value, (Mapping, bool)):
+        raise ValueError("structured_outputs.json must be a JSON schema")
+    return value
 
 
 def _schema_text(schema: Any) -> str:

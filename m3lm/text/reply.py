@@ -39,37 +39,9 @@ class ReplyText:
         """The typed reply events of one engine output (its text made), after the answer's stop strings."""
         self.tokens += len(out.new_token_ids)
         self.token_ids += out.new_token_ids
-        if self.parser is None:
-            parsed: list[ReplyEvent] = [ContentDelta(out.new_text)] if out.new_text else []
-        else:
-            parsed = []
-            n = len(out.new_token_ids)  # none: a prompt scored with max_tokens 0
-            texts = out.token_texts or ([""] * (n - 1) + [out.new_text] if n else [])
-            for tid, text in zip(out.new_token_ids, texts, strict=True):
-                was = self.parser.reasoning.in_reasoning
-                parsed += self.parser.feed(tid, text)
-                self.reasoning_tokens += was or self.parser.reasoning.in_reasoning
-            if out.finished:
-                parsed += self.parser.finish()
-        events: list[ReplyEvent] = []
-        for ev in parsed:
-            if isinstance(ev, ContentDelta) and self.stops is not None:
-                text, hit = self.stops.feed(ev.text)
-                if hit:
-                    self.stopped_by_string = True
-                if text:
-                    events.append(ContentDelta(text))
-                if hit:
-                    break
-                continue
-            events.append(ev)
-        if (
-            out.finished
-            and self.stops is not None
-            and not self.stopped_by_string
-            and (rest := self.stops.flush())
-        ):
-            events.append(ContentDelta(rest))
+        events = self._parse(out)
+        if self.stops is not None:
+            events = self._stop(events, out.finished)
         for ev in events:
             if isinstance(ev, ContentDelta):
                 self.content.append(ev.text)
@@ -79,4 +51,37 @@ class ReplyText:
             self.finish = "stop"
         elif out.finished:
             self.finish = finish_reason(self.tool_calls, out.finish_reason or "stop")
+        return events
+
+    def _parse(self, out: StepOutput) -> list[ReplyEvent]:
+        """The output's reasoning, answer and tool calls, token by token (all answer without a parser)."""
+        if self.parser is None:
+            return [ContentDelta(out.new_text)] if out.new_text else []
+        parsed: list[ReplyEvent] = []
+        n = len(out.new_token_ids)  # none: a prompt scored with max_tokens 0
+        texts = out.token_texts or ([""] * (n - 1) + [out.new_text] if n else [])
+        for tid, text in zip(out.new_token_ids, texts, strict=True):
+            was = self.parser.reasoning.in_reasoning
+            parsed += self.parser.feed(tid, text)
+            self.reasoning_tokens += was or self.parser.reasoning.in_reasoning
+        if out.finished:
+            parsed += self.parser.finish()
+        return parsed
+
+    def _stop(self, parsed: list[ReplyEvent], finished: bool) -> list[ReplyEvent]:
+        """`parsed` up to the answer's first stop string (reasoning and tool calls pass as they are);
+        at the end, the answer's held-back tail."""
+        events: list[ReplyEvent] = []
+        for ev in parsed:
+            if not isinstance(ev, ContentDelta):
+                events.append(ev)
+                continue
+            text, hit = self.stops.feed(ev.text)
+            if text:
+                events.append(ContentDelta(text))
+            if hit:
+                self.stopped_by_string = True
+                return events
+        if finished and (rest := self.stops.flush()):
+            events.append(ContentDelta(rest))
         return events

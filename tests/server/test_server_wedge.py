@@ -648,7 +648,7 @@ def test_a_fault_inside_a_stream_is_an_error_event_then_done(live, client, monke
     def broken(self, out):
         raise RuntimeError("a fault while streaming")
 
-    monkeypatch.setattr(Choice, "consume", broken)
+    monkeypatch.setattr(Choice, "events", broken)
     body = {"prompt": "once", **LONG, "stream": True}
     with httpx.stream("POST", live.url + "/v1/completions", json=body, headers=AUTH, timeout=30) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]

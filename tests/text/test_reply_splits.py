@@ -12,7 +12,7 @@ import m3lm
 from m3lm.core import StepOutput
 from m3lm.server.choice import Choice
 from m3lm.text.detokenize import IncrementalDetokenizer
-from m3lm.text.reasoning import ReplyFormat, ReplyParser, ThinkingMode, parse_reply
+from m3lm.text.reasoning import ReplyFormat, ReplyParser, ThinkingMode, parse_reply, to_openai_delta
 from m3lm.tokenizer import load_tokenizer
 
 NS = "]<]minimax[>["
@@ -77,7 +77,7 @@ def feed(fmt, tokens, cuts) -> tuple[list[dict], Choice]:
             finish_reason="stop" if b == len(tokens) else None,
             token_texts=[x for _, x in part] if len(part) > 1 else None,
         )
-        deltas += choice.consume(out)
+        deltas += [to_openai_delta(ev) for ev in choice.events(out)]
     return deltas, choice
 
 
