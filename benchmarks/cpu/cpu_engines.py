@@ -21,9 +21,10 @@ each step. m3lm runs `LLMEngine.step` on token ids with its compiled CPU decode 
 (`EngineConfig.cpu_compile`: the default, programs kept on disk), built or loaded before the timed runs (the
 seconds it took are reported); prefill runs op by op either way.
 
-`--baseline DIR` adds `decode1` at one thread for this build against the m3lm source tree DIR
-(e.g. `git worktree add --detach /tmp/base <commit>`): each round a fresh process of each tree
-(order alternating) measures `--baseline-reps` runs after a warm-up and reports their median.
+`--baseline DIR` adds `decode1` and `prefill` at one thread for this build against the m3lm
+source tree DIR (e.g. `git worktree add --detach /tmp/base <commit>`): each round a fresh process
+of each tree (order alternating) measures `--baseline-reps` runs after a warm-up and reports their
+median; `--baseline-only` runs that comparison alone.
 
     python3 benchmarks/cpu/cpu_engines.py --rounds 5 --baseline /tmp/m3lm-base \\
         --out benchmarks/results/cpu_engines.md
@@ -268,8 +269,8 @@ def worker(case: str, threads: int, reps: int) -> None:
     print(json.dumps({"rate": statistics.median(rates), "rates": rates, "tokens": runs[0][1]}))
 
 
-def against_baseline(tree: Path, rounds: int, reps: int) -> dict:
-    """decode1 at one thread, a fresh process of each tree per round, order alternating."""
+def against_baseline(tree: Path, case: str, rounds: int, reps: int) -> dict:
+    """`case` at one thread, a fresh process of each tree per round, order alternating."""
     script = Path(__file__).resolve()
     trees = {"this build": REPO, "baseline": tree.resolve()}
     rates = {k: [] for k in trees}
@@ -277,7 +278,7 @@ def against_baseline(tree: Path, rounds: int, reps: int) -> dict:
     for r in range(rounds):
         for name in list(trees) if r % 2 == 0 else list(trees)[::-1]:
             env = {**os.environ, "PYTHONPATH": str(trees[name])}
-            argv = [sys.executable, str(script), "--worker", "decode1", "--reps", str(reps)]
+            argv = [sys.executable, str(script), "--worker", case, "--reps", str(reps)]
             res = subprocess.run(argv, env=env, cwd=trees[name], capture_output=True, text=True)
             if res.returncode:
                 raise RuntimeError(f"{name} worker failed:\n{res.stderr[-3000:]}")
@@ -285,6 +286,22 @@ def against_baseline(tree: Path, rounds: int, reps: int) -> dict:
             rates[name].append(got["rate"])
             tokens.setdefault(name, got["tokens"])
     return {"rates": rates, "identical": tokens["this build"] == tokens["baseline"]}
+
+
+def baseline_section(a) -> str:
+    """decode1 and prefill at one thread, this build against `a.baseline`, as a results section."""
+    rows = []
+    for case in ("decode1", "prefill"):
+        res = against_baseline(a.baseline, case, a.rounds, a.baseline_reps)
+        row = ratio_row(f"{case}, 1 thread", res["rates"]["this build"], res["rates"]["baseline"])
+        print(row, "identical" if res["identical"] else "TOKENS DIFFER", flush=True)
+        rows.append(row + ("" if res["identical"] else " **tokens differ**"))
+    return (
+        f"### This build ({commit(REPO)}) against the baseline tree ({commit(a.baseline)})\n\n"
+        + TABLE.format(what="case", a="this build", b="baseline")
+        + "\n" + "\n".join(rows)
+        + f"\n\nEach figure: the median of {a.baseline_reps} runs in a fresh process. {load_line()} after these."
+    )  # fmt: skip
 
 
 def commit(tree: Path) -> str:
@@ -305,8 +322,9 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--threads", nargs="+", default=["1", "all"], help="thread counts, or 'all'")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--baseline", type=Path, help="an m3lm source tree to compare decode1 at 1 thread with")
+    ap.add_argument("--baseline", type=Path, help="an m3lm source tree to compare decode1 and prefill with")
     ap.add_argument("--baseline-reps", type=int, default=3)
+    ap.add_argument("--baseline-only", action="store_true", help="with --baseline: no transformers")
     ap.add_argument("--out", type=Path, help="write a dated section to this file (its latest run)")
     ap.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
@@ -318,6 +336,20 @@ def main() -> None:
 
     from m3lm.bench.report import machine, write_section
 
+    if a.baseline_only:
+        body = "\n\n".join([f"Loads at start: {load_line()}", baseline_section(a)])
+        print(body)
+        if a.out:
+            command = "python3 benchmarks/cpu/cpu_engines.py " + shlex.join(sys.argv[1:])
+            details = [f"Device: {machine()}; Python {platform.python_version()}, torch {torch.__version__}"]
+            write_section(
+                a.out,
+                "The embedded model on the CPU: this build against a baseline tree",
+                command,
+                details,
+                body,
+            )
+        return
     t0 = time.perf_counter()
     mine = M3lm()
     load_m3lm = time.perf_counter() - t0
@@ -339,15 +371,7 @@ def main() -> None:
             print(row, "identical" if res["identical"] else "TOKENS DIFFER", load_line(), flush=True)
         sections[-1] += f"\n\n{load_line()} after these."
     if a.baseline:
-        res = against_baseline(a.baseline, a.rounds, a.baseline_reps)
-        row = ratio_row("decode1, 1 thread", res["rates"]["this build"], res["rates"]["baseline"])
-        print(row, "identical" if res["identical"] else "TOKENS DIFFER", flush=True)
-        sections.append(
-            f"### This build ({commit(REPO)}) against the baseline tree ({commit(a.baseline)})\n\n"
-            + TABLE.format(what="case", a="this build", b="baseline")
-            + "\n" + row + ("" if res["identical"] else " **tokens differ**")
-            + f"\n\nEach figure: the median of {a.baseline_reps} runs in a fresh process. {load_line()} after these."
-        )  # fmt: skip
+        sections.append(baseline_section(a))
     hf_set = hf.settings()
     details = [
         f"Device: {machine()}; Python {platform.python_version()}, torch {torch.__version__}, "
