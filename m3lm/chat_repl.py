@@ -34,18 +34,9 @@ def command(line: str) -> str | None:
 def run_chat(model, tokenizer, args, stream, pool: dict) -> int:
     """The REPL; `stream(model, tokenizer, args, engine, messages=..., chat_template_kwargs=...)`
     prints one reply and returns its answer."""
-    from m3lm.errors import M3lmError
     from m3lm.generation import session_engine
 
-    if tokenizer is None or not tokenizer.has_chat_template:
-        raise M3lmError(f"{args.model} has no tokenizer with a chat template")
-    most = model.args.max_position_embeddings
-    if args.max_model_len is not None and args.max_model_len > most:
-        print(
-            f"m3lm: --max-model-len {args.max_model_len} is above the model's {most} positions "
-            f"(max_position_embeddings in config.json): the conversation holds {most} tokens",
-            file=sys.stderr,
-        )
+    _check_chat(model, tokenizer, args)
     # One engine for the whole conversation: each turn's prompt starts on the pages that the
     # history left in its prefix cache, so only the new message (and the template's tail) is computed.
     engine = session_engine(
@@ -70,29 +61,13 @@ def run_chat(model, tokenizer, args, stream, pool: dict) -> int:
             file=sys.stderr,
         )
     while True:
-        try:
-            line = input(">> ") if interactive else sys.stdin.readline()
-        except EOFError:
-            print(file=sys.stderr)
+        line = _read_line(interactive)
+        if line is None:
             return 0
-        except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
-            print(file=sys.stderr)
-            continue
-        if not interactive and not line:
-            return 0
-        line = line.rstrip("\n")
         name = command(line)
-        if name == "/exit":
-            return 0
-        if name == "/reset":
-            history = []
-            print("(the conversation is forgotten)", file=sys.stderr)
-            continue
-        if name == "/help":
-            print(HELP, file=sys.stderr)
-            continue
         if name is not None:
-            print(f"unknown command {name}; /help lists them (// sends a leading /)", file=sys.stderr)
+            if not _obey(name, history):
+                return 0
             continue
         if line.lstrip().startswith("//"):
             line = line.lstrip()[1:]
@@ -108,3 +83,49 @@ def run_chat(model, tokenizer, args, stream, pool: dict) -> int:
             print(f"error: {exc}; /reset starts a new conversation", file=sys.stderr)
             continue
         history.append({"role": "assistant", "content": reply})
+
+
+def _check_chat(model, tokenizer, args) -> None:
+    """M3lmError when there is no chat template to talk through; a warning when --max-model-len
+    asks for more positions than the model has."""
+    from m3lm.errors import M3lmError
+
+    if tokenizer is None or not tokenizer.has_chat_template:
+        raise M3lmError(f"{args.model} has no tokenizer with a chat template")
+    most = model.args.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > most:
+        print(
+            f"m3lm: --max-model-len {args.max_model_len} is above the model's {most} positions "
+            f"(max_position_embeddings in config.json): the conversation holds {most} tokens",
+            file=sys.stderr,
+        )
+
+
+def _read_line(interactive: bool) -> str | None:
+    """The next line, typed or piped in, without its newline; None at the end of the input
+    (Ctrl-D); "" after Ctrl-C at the prompt, which only starts a fresh line, as a shell does."""
+    try:
+        line = input(">> ") if interactive else sys.stdin.readline()
+    except EOFError:
+        print(file=sys.stderr)
+        return None
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return ""
+    if not interactive and not line:
+        return None
+    return line.rstrip("\n")
+
+
+def _obey(name: str, history: list[dict]) -> bool:
+    """Carry out command `name` (an unknown one is refused); False when it is /exit."""
+    if name == "/exit":
+        return False
+    if name == "/reset":
+        history.clear()
+        print("(the conversation is forgotten)", file=sys.stderr)
+    elif name == "/help":
+        print(HELP, file=sys.stderr)
+    else:
+        print(f"unknown command {name}; /help lists them (// sends a leading /)", file=sys.stderr)
+    return True

@@ -273,6 +273,8 @@ def compressed_tensors_scheme(q: dict) -> QuantScheme:
 
 
 Headers = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, safetensors dtype)
+# What each scale tensor of a packed weight must be, by role: (shape, allowed dtypes).
+PartsWanted = dict[str, tuple[tuple[int, ...], tuple[str, ...]]]
 
 
 def stored(name: str, headers: Headers) -> Stored | None:
@@ -308,7 +310,7 @@ def stored(name: str, headers: Headers) -> Stored | None:
 
 def check(s: Stored, headers: Headers, rule: Rule) -> tuple[tuple[int, ...], str | None]:
     """(the weight's unpacked shape, an error naming the tensor or None)."""
-    shape, dtype = headers[s.value]
+    shape = headers[s.value][0]
     if s.kind not in rule.kinds:
         allowed = " or ".join(sorted(rule.kinds))
         return shape, f"{s.value}: stored as {s.kind}, but {rule.source} makes it {allowed}"
@@ -317,45 +319,81 @@ def check(s: Stored, headers: Headers, rule: Rule) -> tuple[tuple[int, ...], str
     missing = [p for p in s.parts.values() if p not in headers]
     if missing:
         return shape, f"{s.value}: {s.kind} weight without its {', '.join(missing)}"
-    lead, cols = shape[:-1], shape[-1] if shape else 0
     if s.kind == MXFP8:
-        sc_shape, sc_dtype = headers[s.parts["scale"]]
-        want_sc = (*lead, cols // BLOCK[MXFP8])
-        if dtype != "F8_E4M3" or sc_dtype not in E8M0 or tuple(sc_shape) != want_sc or cols % BLOCK[MXFP8]:
-            return shape, (
-                f"{s.value}: MXFP8 weight must be F8_E4M3 {list(shape)} with U8 scales {list(want_sc)}, "
-                f"found {dtype} with {sc_dtype} {list(sc_shape)}"
-            )
-        return shape, None
+        return shape, _mxfp8_error(s, headers)
     if s.kind == AFFINE:
-        sc_shape, sc_dtype = headers[s.parts["scale"]]
-        width = sc_shape[-1] * rule.group if sc_shape else 0
-        want = {
-            "scale": ((*lead, width // rule.group), FLOATS),
-            "biases": ((*lead, width // rule.group), FLOATS),
-        }
-        full = (*lead, width)
-        if dtype != "U32" or cols * 32 != width * rule.bits:
-            return full, (
+        full, want, error = _affine_layout(s, headers, rule)
+    else:
+        full, want, error = _fp4_layout(s, headers)
+    return full, error or _parts_error(s, headers, full, want)
+
+
+def _mxfp8_error(s: Stored, headers: Headers) -> str | None:
+    """What is wrong with an MXFP8 weight's e4m3 values or their E8M0 scales, if anything."""
+    shape, dtype = headers[s.value]
+    lead, cols = shape[:-1], shape[-1] if shape else 0
+    sc_shape, sc_dtype = headers[s.parts["scale"]]
+    want_sc = (*lead, cols // BLOCK[MXFP8])
+    if dtype != "F8_E4M3" or sc_dtype not in E8M0 or tuple(sc_shape) != want_sc or cols % BLOCK[MXFP8]:
+        return (
+            f"{s.value}: MXFP8 weight must be F8_E4M3 {list(shape)} with U8 scales {list(want_sc)}, "
+            f"found {dtype} with {sc_dtype} {list(sc_shape)}"
+        )
+    return None
+
+
+def _affine_layout(
+    s: Stored, headers: Headers, rule: Rule
+) -> tuple[tuple[int, ...], PartsWanted, str | None]:
+    """An MLX affine weight's unpacked shape (its width from the scales), what its scales and
+    biases must be, and what is wrong with its packed words, if anything."""
+    shape, dtype = headers[s.value]
+    lead, cols = shape[:-1], shape[-1] if shape else 0
+    sc_shape, _ = headers[s.parts["scale"]]
+    width = sc_shape[-1] * rule.group if sc_shape else 0
+    want = {
+        "scale": ((*lead, width // rule.group), FLOATS),
+        "biases": ((*lead, width // rule.group), FLOATS),
+    }
+    full = (*lead, width)
+    if dtype != "U32" or cols * 32 != width * rule.bits:
+        return (
+            full,
+            want,
+            (
                 f"{s.value}: {rule.source} needs U32 words [..., {width * rule.bits // 32}] for "
                 f"{width} inputs, found {dtype} {list(shape)}"
-            )
-    else:
-        width = cols * 2  # two E2M1 values a byte
-        full = (*lead, width)
-        if dtype != "U8":
-            return full, f"{s.value}: {s.kind} values must be U8 (two E2M1 a byte), found {dtype}"
-        blocks = (*lead, width // BLOCK[s.kind])
-        scale_dtype = ("F8_E4M3",) if s.kind == NVFP4 else E8M0
-        want = {"scale": (blocks, scale_dtype), "global": ((), ("F32",)), "input_scale": ((), ("F32",))}
-        if width % BLOCK[s.kind]:
-            return full, f"{s.value}: {width} inputs are not whole {s.kind} blocks of {BLOCK[s.kind]}"
+            ),
+        )
+    return full, want, None
+
+
+def _fp4_layout(s: Stored, headers: Headers) -> tuple[tuple[int, ...], PartsWanted, str | None]:
+    """An NVFP4 or MXFP4 weight's unpacked shape (two values a byte), what its scales must be,
+    and what is wrong with its packed bytes, if anything."""
+    shape, dtype = headers[s.value]
+    lead, cols = shape[:-1], shape[-1] if shape else 0
+    width = cols * 2  # two E2M1 values a byte
+    full = (*lead, width)
+    blocks = (*lead, width // BLOCK[s.kind])
+    scale_dtype = ("F8_E4M3",) if s.kind == NVFP4 else E8M0
+    want = {"scale": (blocks, scale_dtype), "global": ((), ("F32",)), "input_scale": ((), ("F32",))}
+    if dtype != "U8":
+        return full, want, f"{s.value}: {s.kind} values must be U8 (two E2M1 a byte), found {dtype}"
+    if width % BLOCK[s.kind]:
+        return full, want, f"{s.value}: {width} inputs are not whole {s.kind} blocks of {BLOCK[s.kind]}"
+    return full, want, None
+
+
+def _parts_error(s: Stored, headers: Headers, full: tuple[int, ...], want: PartsWanted) -> str | None:
+    """The first scale tensor of a packed weight whose shape or dtype is not what its role needs
+    (a global or input scale is one value), named with what it should be."""
     for role, part in s.parts.items():
         (p_shape, p_dtype), (w_shape, w_dtypes) = headers[part], want[role]
         scalar = role in ("global", "input_scale")
         if (math.prod(p_shape) != 1 if scalar else tuple(p_shape) != w_shape) or p_dtype not in w_dtypes:
-            return full, (
+            return (
                 f"{part}: the {role} of {s.kind} weight {s.value} {list(full)} must be "
                 f"{'/'.join(w_dtypes)} {'one value' if scalar else list(w_shape)}, found {p_dtype} {list(p_shape)}"
             )
-    return full, None
+    return None

@@ -7,7 +7,8 @@ and the request checks, and runs no model. (The model's batch types are `layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from types import MappingProxyType
+from typing import Literal, NoReturn
 
 import msgspec
 
@@ -45,6 +46,34 @@ class ThinkingControl:
 
 
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The range a numeric sampling setting must lie in: [low, high], or (low, high] if `open_low`.
+
+    `integer`: the value must also be an int. `optional`: None is allowed too (the setting is off).
+    `rule` is what an error says when the plain "must be in [low, high]" would say it badly.
+    """
+
+    low: float
+    high: float
+    open_low: bool = False
+    integer: bool = False
+    optional: bool = False
+    rule: str = ""
+
+    def admits(self, value) -> bool:
+        """Whether `value` lies in the range (and is an int, where one is asked for)."""
+        if value is None and self.optional:
+            return True
+        if self.integer and not isinstance(value, int):
+            return False
+        return self.low < value <= self.high if self.open_low else self.low <= value <= self.high
+
+    def describe(self) -> str:
+        """The rule an error states, such as "must be in (0, 1]"."""
+        return self.rule or f"must be in {'(' if self.open_low else '['}{self.low:.3g}, {self.high:.3g}]"
 
 
 @dataclass(frozen=True)
@@ -88,56 +117,65 @@ class SamplingParams:
     INT64_RANGE = (-(2**63), 2**63 - 1)  # seed and top_k: signed 64-bit integers, as the sampler holds them
     # Below this a temperature is greedy: dividing logits by it would overflow float32 (vLLM's bound).
     MIN_TEMPERATURE = 1e-5
+    # The settings a checkpoint's generation_config.json may give defaults for.
+    GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    # The range each numeric setting must lie in, in the order they are checked (an error names the
+    # first bad one). The sampler holds repetition_penalty as float32: a smaller one would round to 0
+    # and divide logits by it.
+    BOUNDS = MappingProxyType(
+        {
+            "temperature": Bound(0.0, 100.0),
+            "top_p": Bound(0.0, 1.0, open_low=True),
+            "top_k": Bound(
+                *INT64_RANGE, integer=True, rule="must be a signed 64-bit integer (<= 0 disables it)"
+            ),
+            "min_p": Bound(0.0, 1.0),
+            "repetition_penalty": Bound(FLOAT32_TINY, 10.0),
+            "presence_penalty": Bound(-2.0, 2.0),
+            "frequency_penalty": Bound(-2.0, 2.0),
+            "logprobs": Bound(0, MAX_LOGPROBS, integer=True, optional=True),
+            "prompt_logprobs": Bound(0, MAX_LOGPROBS, integer=True, optional=True),
+        }
+    )
 
     def __post_init__(self) -> None:
-        def bad(name: str, rule: str) -> None:
-            value = repr(getattr(self, name))  # shown in part: an error never echoes a huge value
-            raise ValueError(f"{name} = {value if len(value) <= 80 else value[:60] + ' ...'}: {rule}")
-
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         lo, hi = self.INT64_RANGE
         if any(not 0 <= t <= hi for t in self.stop_token_ids):
-            bad("stop_token_ids", "token ids must be in [0, 2^63)")
+            self._bad("stop_token_ids", "token ids must be in [0, 2^63)")
         if (
             not isinstance(self.max_tokens, int)
             or not (self.prompt_logprobs is None) <= self.max_tokens <= hi
         ):
-            bad("max_tokens", "must be an integer in [1, 2^63) (0 only with prompt_logprobs)")
-        if not 0.0 <= self.temperature <= 100.0:
-            bad("temperature", "must be in [0, 100]")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or not lo <= self.top_k <= hi:
-            bad("top_k", "must be a signed 64-bit integer (<= 0 disables it)")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be in [0, 1]")
-        # the sampler holds it as float32: a smaller one would round to 0 and divide logits by it
-        if not FLOAT32_TINY <= self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", f"must be in [{FLOAT32_TINY:.3g}, 10]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", "must be in [-2, 2]")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(self, name)
-            if k is not None and (not isinstance(k, int) or not 0 <= k <= self.MAX_LOGPROBS):
-                bad(name, f"must be in [0, {self.MAX_LOGPROBS}]")
+            self._bad("max_tokens", "must be an integer in [1, 2^63) (0 only with prompt_logprobs)")
+        for name, bound in self.BOUNDS.items():
+            if not bound.admits(getattr(self, name)):
+                self._bad(name, bound.describe())
         if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be non-empty strings")
+            self._bad("stop", "must be non-empty strings")
         if self.seed is not None and (not isinstance(self.seed, int) or not lo <= self.seed <= hi):
-            bad("seed", "must be a signed 64-bit integer")
+            self._bad("seed", "must be a signed 64-bit integer")
+        self._settle_logit_bias()
+        if self.thinking is not None and self.thinking.budget is not None and self.thinking.budget < 0:
+            self._bad("thinking", "budget must be >= 0")
+
+    def _bad(self, name: str, rule: str) -> NoReturn:
+        """Raise the ValueError that names a setting, its value and the rule it breaks."""
+        value = repr(getattr(self, name))  # shown in part: an error never echoes a huge value
+        raise ValueError(f"{name} = {value if len(value) <= 80 else value[:60] + ' ...'}: {rule}")
+
+    def _settle_logit_bias(self) -> None:
+        """Make logit_bias (int, float) pairs and check their count, ranges and that ids are unique."""
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
-            bad("logit_bias", f"at most {self.MAX_LOGIT_BIAS} entries")
-        if any(not 0 <= t <= hi or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
-            bad("logit_bias", "token ids must be in [0, 2^63) and biases in [-100, 100]")
+            self._bad("logit_bias", f"at most {self.MAX_LOGIT_BIAS} entries")
+        if any(not 0 <= t <= self.INT64_RANGE[1] or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            self._bad("logit_bias", "token ids must be in [0, 2^63) and biases in [-100, 100]")
         if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
-            bad("logit_bias", "names a token id more than once")  # the biases would add up past the cap
-        if self.thinking is not None and self.thinking.budget is not None and self.thinking.budget < 0:
-            bad("thinking", "budget must be >= 0")
+            self._bad("logit_bias", "names a token id more than once")  # the biases would add up past the cap
 
     @property
     def greedy(self) -> bool:
@@ -151,7 +189,7 @@ class SamplingParams:
         if gen.get("do_sample") is False:
             base["temperature"] = 0.0
         else:
-            for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            for key in cls.GENERATION_DEFAULTS:
                 if isinstance(gen.get(key), (int, float)) and not isinstance(gen.get(key), bool):
                     base[key] = gen[key]
         base.update({k: v for k, v in overrides.items() if v is not None})

@@ -49,25 +49,31 @@ def grammar(spec: StructuredOutput):
     if spec.kind == "json":
         check_required(spec.value)
     try:
-        if spec.kind == "json":
-            g = json_grammar(spec.value)
-        elif spec.kind == "json_object":
-            g = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        elif spec.kind == "regex":
-            g = xgr.Grammar.from_regex(spec.value)
-        elif spec.kind == "choice":
-            g = xgr.Grammar.from_ebnf(_choice_ebnf(spec.value))
-        elif spec.kind == "grammar":
-            g = xgr.Grammar.from_ebnf(spec.value)
-        elif spec.kind == "structural_tag":
-            g = xgr.Grammar.from_structural_tag(spec.value)
-        else:
-            raise ValueError(f"unknown structured output kind {spec.kind!r}")
+        g = _library_grammar(spec.kind, spec.value)
         if spec.markers:
             g = xgr.Grammar.from_ebnf(bind_markers(str(g), dict(spec.markers)))
     except (RuntimeError, ValueError, TypeError) as e:  # the library's own errors are of these kinds
         raise ValueError(f"the {_what(spec.kind)} cannot be used: {library_message(e)}") from None
     return g
+
+
+def _library_grammar(kind: str, value: str):
+    """The library's grammar of one kind of structured output, before its markers are bound."""
+    import xgrammar as xgr
+
+    build = {
+        "json": json_grammar,
+        "json_object": lambda _: xgr.Grammar.from_json_schema(
+            '{"type": "object"}', any_whitespace=False, strict_mode=False
+        ),
+        "regex": xgr.Grammar.from_regex,
+        "choice": lambda v: xgr.Grammar.from_ebnf(_choice_ebnf(v)),
+        "grammar": xgr.Grammar.from_ebnf,
+        "structural_tag": xgr.Grammar.from_structural_tag,
+    }.get(kind)
+    if build is None:
+        raise ValueError(f"unknown structured output kind {kind!r}")
+    return build(value)
 
 
 @functools.lru_cache(maxsize=256)
@@ -144,15 +150,10 @@ def _repetitions(text: str, where: str, quoted: bool) -> None:
         if c == "[":  # a character class: one atom
             j = i + 1 + (text[i + 1 : i + 2] == "^")
             j += text[j : j + 1] == "]"
-            while j < n and text[j] != "]":
-                j += 2 if text[j] == "\\" else 1
-            i, last = j + 1, 1
+            i, last = _closing(text, j, "]") + 1, 1
             continue
         if quoted and c == '"':
-            j = i + 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            i, last = j + 1, 1
+            i, last = _closing(text, i + 1, '"') + 1, 1
             continue
         if c == "(":
             stack.append(1)
@@ -165,24 +166,40 @@ def _repetitions(text: str, where: str, quoted: bool) -> None:
             continue
         m = _COUNT.match(text, i) if c == "{" else None
         if m:
-            count = max(int(m[1]), int(m[2] or 0))
-            if count > MAX_REPEAT:
-                raise ValueError(
-                    f"{where}: the repetition {m[0]} counts past {MAX_REPEAT}, this server's bound "
-                    "(a count that large makes the grammar too costly to build)"
-                )
-            last *= max(count, 1)
-            if last > MAX_REPEAT_PRODUCT:
-                raise ValueError(
-                    f"{where}: nested repetitions ending in {m[0]} repeat {last} times, past "
-                    f"{MAX_REPEAT_PRODUCT}, this server's bound (too costly a grammar to build)"
-                )
+            last = _repeat(m, last, where)
             stack[-1] = max(stack[-1], last)
             i = m.end()
             continue
         last = 1
         stack[-1] = max(stack[-1], 1)
         i += 1
+
+
+def _repeat(m: re.Match, inner: int, where: str) -> int:
+    """The product of counts after the repetition `m` of an atom whose own product is `inner`;
+    ValueError when the count or the product is past its bound."""
+    count = max(int(m[1]), int(m[2] or 0))
+    if count > MAX_REPEAT:
+        raise ValueError(
+            f"{where}: the repetition {m[0]} counts past {MAX_REPEAT}, this server's bound "
+            "(a count that large makes the grammar too costly to build)"
+        )
+    product = inner * max(count, 1)
+    if product > MAX_REPEAT_PRODUCT:
+        raise ValueError(
+            f"{where}: nested repetitions ending in {m[0]} repeat {product} times, past "
+            f"{MAX_REPEAT_PRODUCT}, this server's bound (too costly a grammar to build)"
+        )
+    return product
+
+
+def _closing(text: str, j: int, close: str) -> int:
+    """The index of the first `close` at or after `j` that no backslash escapes (past the end if
+    there is none): where a character class or a quoted string ends."""
+    n = len(text)
+    while j < n and text[j] != close:
+        j += 2 if text[j] == "\\" else 1
+    return j
 
 
 def _what(kind: str) -> str:
@@ -225,9 +242,7 @@ def bind_markers(ebnf: str, markers: Mapping[str, int]) -> str:
     """Rewrite xgrammar EBNF so that each marker text inside a string literal is its token:
     `"a]<]minimax[>[b"` -> `("a" Token(4089) "b")`. Literals inside a tag dispatch's arguments
     (string-level triggers and excluded texts) stay as they are."""
-    for marker in markers:
-        if not marker or any(c in marker for c in '"\\') or not (marker.isascii() and marker.isprintable()):
-            raise ValueError(f"marker {marker!r} cannot be bound in a grammar")
+    _check_markers(markers)
     out: list[str] = []
     i, n, skip_depth = 0, len(ebnf), 0
     while i < n:
@@ -239,9 +254,7 @@ def bind_markers(ebnf: str, markers: Mapping[str, int]) -> str:
             out.append(m.group(0) if skip_depth else _bind_literal(m.group(1), markers))
             i = m.end()
         elif c == "[":
-            j = i + 1
-            while j < n and ebnf[j] != "]":
-                j += 2 if ebnf[j] == "\\" else 1
+            j = _closing(ebnf, i + 1, "]")
             out.append(ebnf[i : j + 1])
             i = j + 1
         else:
@@ -258,6 +271,14 @@ def bind_markers(ebnf: str, markers: Mapping[str, int]) -> str:
             out.append(c)
             i += 1
     return "".join(out)
+
+
+def _check_markers(markers: Mapping[str, int]) -> None:
+    """ValueError for a marker no EBNF literal can hold as it is (empty, a quote or backslash in
+    it, or not printable ASCII)."""
+    for marker in markers:
+        if not marker or any(c in marker for c in '"\\') or not (marker.isascii() and marker.isprintable()):
+            raise ValueError(f"marker {marker!r} cannot be bound in a grammar")
 
 
 def _bind_literal(body: str, markers: Mapping[str, int]) -> str:

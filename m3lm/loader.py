@@ -30,6 +30,7 @@ from m3lm.checkpoint_quant import (
     NONE,
     NVFP4,
     PLAIN,
+    Headers,
     QuantScheme,
     Stored,
     check,
@@ -173,15 +174,9 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3, scheme: QuantSche
         del params[n]
     tensors = _headers(files)
     headers = {n: (shape, dtype) for n, (_, shape, dtype) in tensors.items()}
-    weights, errors, unclaimed = {}, [], []
-    for name in tensors:
-        try:
-            if (s := stored(name, headers)) is not None:
-                weights[name] = s
-        except CheckpointError as e:
-            errors.append(str(e))
+    weights, errors = _stored_weights(headers)
     consumed = {p for s in weights.values() for p in s.parts.values()}
-    sources = []
+    sources, unclaimed = [], []
     written: dict[tuple[str, int | None], int] = defaultdict(int)
     for name, (file, _, dtype) in tensors.items():
         if name in consumed or scheme.ignored(name):
@@ -198,29 +193,73 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3, scheme: QuantSche
         if r.shape is None or any(p.param not in params for p in r.pieces):
             unclaimed.append(name)
             continue
-        if full != r.shape:
-            errors.append(f"{name}: expected shape {list(r.shape)}, found {list(full)}")
-            continue
-        if st.kind == PLAIN and dtype == "F8_E4M3":
-            errors.append(f"{name}: float8 tensor without its _scale_inv scales")
-            continue
-        if st.kind == PLAIN and dtype not in FLOAT_DTYPES:
-            errors.append(
-                f"{name}: dtype {dtype} is not supported (expected one of {', '.join(FLOAT_DTYPES)}, "
-                f"or F8_E4M3 with U8 _scale_inv scales)"
-            )
+        if error := _mismatch(name, st.kind, dtype, full, r.shape):
+            errors.append(error)
             continue
         for p in r.pieces:
             written[(p.param, p.slot)] += 1
-        scale = st.parts["scale"] if st.kind == MXFP8 else None
-        packed = None
-        if st.kind not in (PLAIN, MXFP8):
-            _, s_shape, s_dtype = tensors[st.parts["scale"]]
-            packed = Packed(
-                st.kind, rule.bits, tuple((k, v, tensors[v][0]) for k, v in st.parts.items()), full,
-                full[-1] // s_shape[-1], s_dtype,
-            )  # fmt: skip
-        sources.append(Source(file, name, scale, tensors[scale][0] if scale else None, r.pieces, packed))
+        sources.append(_source(file, name, st, rule.bits, full, r.pieces, tensors))
+    errors += _coverage_errors(params, tensors, written, unclaimed)
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    return sources
+
+
+def _stored_weights(headers: Headers) -> tuple[dict[str, Stored], list[str]]:
+    """Each weight tensor's encoding (`stored`) by its name, and the errors of the weights whose
+    sibling tensors make an encoding m3lm cannot read."""
+    weights, errors = {}, []
+    for name in headers:
+        try:
+            if (s := stored(name, headers)) is not None:
+                weights[name] = s
+        except CheckpointError as e:
+            errors.append(str(e))
+    return weights, errors
+
+
+def _mismatch(name: str, kind: str, dtype: str, full: tuple[int, ...], expected: tuple[int, ...]) -> str:
+    """What is wrong with a claimed tensor's shape or stored dtype ("" when nothing is)."""
+    if full != expected:
+        return f"{name}: expected shape {list(expected)}, found {list(full)}"
+    if kind == PLAIN and dtype == "F8_E4M3":
+        return f"{name}: float8 tensor without its _scale_inv scales"
+    if kind == PLAIN and dtype not in FLOAT_DTYPES:
+        return (
+            f"{name}: dtype {dtype} is not supported (expected one of {', '.join(FLOAT_DTYPES)}, "
+            f"or F8_E4M3 with U8 _scale_inv scales)"
+        )
+    return ""
+
+
+def _source(
+    file: Path,
+    name: str,
+    st: Stored,
+    bits: int,
+    full: tuple[int, ...],
+    pieces: tuple[Piece, ...],
+    tensors: dict,
+) -> Source:
+    """Where a checked tensor's bytes are and how they are encoded: with its MXFP8 scales, or the
+    parts of a packed (4-bit or MLX) weight."""
+    scale = st.parts["scale"] if st.kind == MXFP8 else None
+    packed = None
+    if st.kind not in (PLAIN, MXFP8):
+        _, s_shape, s_dtype = tensors[st.parts["scale"]]
+        packed = Packed(
+            st.kind, bits, tuple((k, v, tensors[v][0]) for k, v in st.parts.items()), full,
+            full[-1] // s_shape[-1], s_dtype,
+        )  # fmt: skip
+    return Source(file, name, scale, tensors[scale][0] if scale else None, pieces, packed)
+
+
+def _coverage_errors(
+    params: dict[str, tuple[int, ...]], tensors: dict, written: dict, unclaimed: list[str]
+) -> list[str]:
+    """The plan's gaps and overlaps: tensors no parameter claims, parameter slots no tensor
+    writes (and whether the checkpoint is too small to hold them), slots written twice."""
+    errors = []
     if unclaimed:
         errors.append(
             f"unexpected language-model tensor(s) that no parameter claims: {', '.join(sorted(unclaimed))}"
@@ -241,9 +280,7 @@ def plan(files: list[Path], args: ModelArgs, model: MiniMaxM3, scheme: QuantSche
         errors.append(
             f"tensor(s) given more than once (e.g. packed and separate shared expert): {', '.join(twice)}"
         )
-    if errors:
-        raise CheckpointError("; ".join(errors))
-    return sources
+    return errors
 
 
 def kept_weights(sources: list[Source]) -> dict[str, Kept]:
@@ -364,6 +401,23 @@ def _local_pieces(src: Source, shape: tuple[int, ...], shards: dict[str, tuple[s
             yield where[0], p.param, where[1]
 
 
+def _write_source(st, src: Source, params: dict, shards: dict[str, tuple[slice, ...]] | None) -> None:
+    """Copy one planned tensor from its open shard `st` into the parameters: every piece, or with
+    `shards` this rank's slices; a packed weight dequantised or kept as stored."""
+    sl = st.get_slice(src.name)
+    scale = _read_scale(st, src) if src.scale else None
+    if src.packed is not None:
+        _write_packed(st, src, sl, params, shards)
+    elif shards is None:
+        for p in src.pieces:
+            t = sl[p.index] if p.index else sl[:]
+            s = (scale[p.index] if p.index else scale[:]) if scale is not None else None
+            write_piece(params, p, t, s, src.name)
+    else:  # this rank's slices
+        for index, param, slot in _local_pieces(src, tuple(sl.get_shape()), shards):
+            write_slice(params, Piece(param, slot), sl, scale, index, src.name)
+
+
 def stream_weights(
     model: MiniMaxM3,
     sources: list[Source],
@@ -382,18 +436,7 @@ def stream_weights(
             try:
                 with safe_open(file, framework="pt") as st:
                     for src in items:
-                        sl = st.get_slice(src.name)
-                        scale = _read_scale(st, src) if src.scale else None
-                        if src.packed is not None:
-                            _write_packed(st, src, sl, params, shards)
-                        elif shards is None:
-                            for p in src.pieces:
-                                t = sl[p.index] if p.index else sl[:]
-                                s = (scale[p.index] if p.index else scale[:]) if scale is not None else None
-                                write_piece(params, p, t, s, src.name)
-                        else:  # this rank's slices
-                            for index, param, slot in _local_pieces(src, tuple(sl.get_shape()), shards):
-                                write_slice(params, Piece(param, slot), sl, scale, index, src.name)
+                        _write_source(st, src, params, shards)
                         done += 1
                         if progress is not None:
                             progress(done, len(sources))

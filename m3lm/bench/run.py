@@ -112,6 +112,35 @@ def run(args) -> tuple[list[Row], list[str]]:
     """Rows of every variant in `args.quant` (bf16 first: the mxfp8 variant quantises in place)."""
     torch.backends.cuda.matmul.allow_tf32 = True
     quants = args.quant
+    _check_quants(quants)
+    t0 = time.time()
+    model = build_slice(args.layers)
+    print(f"built a {args.layers}-layer slice in {time.time() - t0:.1f} s", flush=True)
+    bench = _Bench(args)
+    if args.drafter:
+        draft_rows, draft_notes, bench.drafts = speculation.draft_cases(model, args, time_ms)
+        bench.rows += draft_rows
+        bench.notes += draft_notes
+    bench.weigh(model, "bf16")
+    for quant in quants:
+        if quant != "bf16":  # the release's scheme or an export's, from the random bf16 weights
+            keep_mxfp8_(model, quantize=True) if quant == "mxfp8" else quantize_q4_(model, quant)
+            torch.cuda.empty_cache()
+            bench.weigh(model, quant)
+        bench.variant(model, quant)
+    if len(quants) == 2:
+        bench.quant_notes(quants[1])
+    bench.gpu_note()
+    cfg = release_slice_config(args.layers)
+    del model
+    torch.cuda.empty_cache()
+    if args.compare_transformers:
+        compare_transformers(cfg, args, bench.compared)
+    return bench.rows, bench.notes
+
+
+def _check_quants(quants: list[str]) -> None:
+    """ValueError unless `--quant` is bf16, one of QUANTS, or bf16 and one of them."""
     if not (
         quants in (["bf16"], *([q] for q in QUANTS))
         or (quants[0] == "bf16" and quants[1:] in ([q] for q in QUANTS))
@@ -119,80 +148,100 @@ def run(args) -> tuple[list[Row], list[str]]:
         raise ValueError(
             f"--quant {','.join(quants)}: expected bf16, one of {', '.join(QUANTS)}, or bf16 and one of them"
         )
-    t0 = time.time()
-    model = build_slice(args.layers)
-    print(f"built a {args.layers}-layer slice in {time.time() - t0:.1f} s", flush=True)
-    rows, notes, resident, layers_ms, parts, compared = [], [], {}, {}, {}, []
-    decodes = args.decode + [c for c in args.verify if c not in args.decode]
-    drafts = {}
-    if args.drafter:
-        draft_rows, draft_notes, drafts = speculation.draft_cases(model, args, time_ms)
-        rows += draft_rows
-        notes += draft_notes
-    resident["bf16"] = weight_bytes(model)
-    in_layers = {"bf16": sum(weight_bytes(model.model.layers).values())}  # without embedding and lm_head
-    for quant in quants:
-        if quant != "bf16":  # the release's scheme or an export's, from the random bf16 weights
-            keep_mxfp8_(model, quantize=True) if quant == "mxfp8" else quantize_q4_(model, quant)
-            torch.cuda.empty_cache()
-            resident[quant] = weight_bytes(model)
-            in_layers[quant] = sum(weight_bytes(model.model.layers).values())
-        tag = f" [{quant}]" if len(quants) > 1 or quant != "bf16" else ""
-        notes.append(f"resident weights{tag or ' [bf16]'}: {gb_text(resident[quant])}")
-        print(notes[-1], flush=True)
-        for b, ctx in decodes:
-            rows.append(bench_decode(model, b, ctx, args.iters))
-            rows[-1].case += tag
-            layers_ms[(quant, b, ctx)] = rows[-1].ms - rows[-1].parts["head"]
-            parts[(b, ctx)] = rows[-1].parts
-            if quant == quants[0] and (b, ctx) in args.decode:
-                compared.append(rows[-1])
-            print(" | ".join(rows[-1].cells()), flush=True)
-            notes.append(parts_line(rows[-1].case, rows[-1].ms, rows[-1].parts, args.layers))
-            print(notes[-1], flush=True)
-        spec_rows, spec_notes = speculation.verify_cases(model, args, parts, drafts, tag, time_ms)
-        rows += spec_rows
-        notes += spec_notes
+
+
+class _Bench:
+    """One run's results as they come (rows and notes, each printed at once) and what its closing
+    notes and the transformers comparison need. It holds no model, so that `run` can free it."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.decodes = args.decode + [c for c in args.verify if c not in args.decode]
+        self.rows: list[Row] = []
+        self.notes: list[str] = []
+        self.resident: dict[str, dict[str, int]] = {}  # by variant: the weights' bytes by dtype
+        self.in_layers: dict[str, int] = {}  # by variant: the decoder layers' bytes
+        self.layers_ms: dict[tuple[str, int, int], float] = {}  # (variant, B, ctx): step minus head
+        self.parts: dict[tuple[int, int], dict] = {}  # (B, ctx): the latest variant's decode parts
+        self.drafts: dict = {}  # the drafter's cases, for the verification cases
+        self.compared: list[Row] = []  # the first variant's decode and prefill rows, for transformers
+
+    def row(self, row: Row, *extra: str) -> None:
+        """Keep a row and print it (with `extra` words after its cells)."""
+        self.rows.append(row)
+        print(" | ".join(row.cells()), *extra, flush=True)
+
+    def note(self, text: str) -> None:
+        """Keep a note and print it."""
+        self.notes.append(text)
+        print(text, flush=True)
+
+    def weigh(self, model: MiniMaxM3, quant: str) -> None:
+        """Record the resident weights of variant `quant`, all of them and the decoder layers'."""
+        self.resident[quant] = weight_bytes(model)
+        self.in_layers[quant] = sum(weight_bytes(model.model.layers).values())
+
+    def variant(self, model: MiniMaxM3, quant: str) -> None:
+        """Every case on the model as variant `quant` holds it: decode, verification, prefill, and
+        with the first variant the attention kernels."""
+        args, first = self.args, quant == self.args.quant[0]
+        tag = f" [{quant}]" if len(args.quant) > 1 or quant != "bf16" else ""
+        self.note(f"resident weights{tag or ' [bf16]'}: {gb_text(self.resident[quant])}")
+        for b, ctx in self.decodes:
+            self.decode(model, quant, b, ctx, tag)
+        spec_rows, spec_notes = speculation.verify_cases(model, args, self.parts, self.drafts, tag, time_ms)
+        self.rows += spec_rows
+        self.notes += spec_notes
         for t in args.prefill:
-            rows.append(bench_prefill(model, t, max(3, args.iters // 5)))
-            rows[-1].case += tag
-            print(" | ".join(rows[-1].cells()), flush=True)
-            notes.append(rested_line(rows[-1]))
-            print(notes[-1], flush=True)
-            if quant == quants[0]:
-                compared.append(rows[-1])
-        if quant == quants[0]:
-            for t in args.attention:
-                for case, ms, tokens, flops, dense_ms in bench_attention(
-                    model, t, max(3, args.iters // 5), time_ms
-                ):
-                    row = Row(case, ms, tokens, 0.0, flops, ref_ms=dense_ms)
-                    rows.append(row)
-                    print(" | ".join(row.cells()), "(reference column: dense flash attention)", flush=True)
-    if len(quants) == 2:
-        q = quants[1]
-        ratio = sum(resident[q].values()) / sum(resident["bf16"].values())
-        notes.append(
+            row = bench_prefill(model, t, max(3, args.iters // 5))
+            row.case += tag
+            self.row(row)
+            self.note(rested_line(row))
+            if first:
+                self.compared.append(row)
+        if first:
+            self.attention(model)
+
+    def decode(self, model: MiniMaxM3, quant: str, b: int, ctx: int, tag: str) -> None:
+        """One decode case, with its parts and the decoder layers' time."""
+        row = bench_decode(model, b, ctx, self.args.iters)
+        row.case += tag
+        self.layers_ms[(quant, b, ctx)] = row.ms - row.parts["head"]
+        self.parts[(b, ctx)] = row.parts
+        if quant == self.args.quant[0] and (b, ctx) in self.args.decode:
+            self.compared.append(row)
+        self.row(row)
+        self.note(parts_line(row.case, row.ms, row.parts, self.args.layers))
+
+    def attention(self, model: MiniMaxM3) -> None:
+        """The attention kernels' cases, against dense flash attention."""
+        iters = max(3, self.args.iters // 5)
+        for t in self.args.attention:
+            for case, ms, tokens, flops, dense_ms in bench_attention(model, t, iters, time_ms):
+                row = Row(case, ms, tokens, 0.0, flops, ref_ms=dense_ms)
+                self.row(row, "(reference column: dense flash attention)")
+
+    def quant_notes(self, q: str) -> None:
+        """Variant `q` against bf16: resident weights, and each decode case's decoder layers."""
+        ratio = sum(self.resident[q].values()) / sum(self.resident["bf16"].values())
+        notes = [
             f"resident weights {q} / bf16: {ratio:.3f} (decoder layers only, without the embedding "
-            f"and lm_head that the release keeps in bf16: {in_layers[q] / in_layers['bf16']:.3f})"
-        )
-        for b, ctx in args.decode:
-            speed = layers_ms[("bf16", b, ctx)] / layers_ms[(q, b, ctx)]
+            f"and lm_head that the release keeps in bf16: {self.in_layers[q] / self.in_layers['bf16']:.3f})"
+        ]
+        for b, ctx in self.args.decode:
+            speed = self.layers_ms[("bf16", b, ctx)] / self.layers_ms[(q, b, ctx)]
             notes.append(f"decode B={b} ctx={ctx}: decoder layers bf16 / {q} = {speed:.2f}x")
-        print("\n".join(notes[-1 - len(args.decode) :]), flush=True)
-    measured = [r for r in rows if r.gpu]
-    if measured:
-        notes.append(
-            "GPU per case (power: mean over the case's warm-up and timed calls; temperature and SM "
-            "clock at their end): " + "; ".join(f"{r.case}: {r.gpu}" for r in measured)
-        )
-        print(notes[-1], flush=True)
-    cfg = release_slice_config(args.layers)
-    del model
-    torch.cuda.empty_cache()
-    if args.compare_transformers:
-        compare_transformers(cfg, args, compared)
-    return rows, notes
+        self.notes += notes
+        print("\n".join(notes), flush=True)
+
+    def gpu_note(self) -> None:
+        """The GPU's power, temperature and SM clock over each case that measured them."""
+        measured = [r for r in self.rows if r.gpu]
+        if measured:
+            self.note(
+                "GPU per case (power: mean over the case's warm-up and timed calls; temperature and SM "
+                "clock at their end): " + "; ".join(f"{r.case}: {r.gpu}" for r in measured)
+            )
 
 
 def compare_transformers(cfg: dict, args, rows: list[Row]) -> None:

@@ -47,39 +47,48 @@ def param_shard(name: str, shape: tuple[int, ...], args: ModelArgs, pc: Parallel
     if name.endswith("_scale"):  # `<weight>_scale` [..., O, In/32] of an 8-bit weight [..., O, In]
         weight = name.removesuffix("_scale")
         return scale_shard(param_shard(weight, (*shape[:-1], shape[-1] * MX_BLOCK), args, pc), weight)
-    whole = [slice(0, n) for n in shape]
-
-    def split(dim: int, lo: int, hi: int) -> tuple[slice, ...]:
-        whole[dim] = slice(lo, hi)
-        return tuple(whole)
-
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return split(0, *part(shape[0], pc, "vocab_size"))
+        return _cut(shape, 0, *part(shape[0], pc, "vocab_size"))
     leaf = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
-    if leaf.startswith("self_attn."):
-        q, kv = head_ranges(args, pc)
-        d, di = args.head_dim, args.index_head_dim
-        rows = {
-            "self_attn.q_proj.weight": (q.start * d, q.stop * d),
-            "self_attn.k_proj.weight": (kv.start * d, kv.stop * d),
-            "self_attn.v_proj.weight": (kv.start * d, kv.stop * d),
-            "self_attn.index_q_proj.weight": (kv.start * di, kv.stop * di),
-        }
-        if leaf in rows:
-            return split(0, *rows[leaf])
-        if leaf == "self_attn.o_proj.weight":
-            return split(1, q.start * d, q.stop * d)
-        return ()  # q/k norms, index_k_proj (one shared head), index norms
+    cut = _attention_cut(leaf, args, pc) if leaf.startswith("self_attn.") else _mlp_cut(leaf, shape, pc)
+    return () if cut is None else _cut(shape, *cut)
+
+
+def _cut(shape: tuple[int, ...], dim: int, lo: int, hi: int) -> tuple[slice, ...]:
+    """The whole of `shape`, but only [lo, hi) along `dim`."""
+    whole = [slice(0, n) for n in shape]
+    whole[dim] = slice(lo, hi)
+    return tuple(whole)
+
+
+def _attention_cut(leaf: str, args: ModelArgs, pc: ParallelConfig) -> tuple[int, int, int] | None:
+    """(dim, lo, hi) of this rank's heads in an attention weight: rows of the projections in,
+    columns of o_proj; None for the replicated ones (q/k norms, the single index-key head and
+    the index norms)."""
+    q, kv = head_ranges(args, pc)
+    d, di = args.head_dim, args.index_head_dim
+    return {
+        "self_attn.q_proj.weight": (0, q.start * d, q.stop * d),
+        "self_attn.k_proj.weight": (0, kv.start * d, kv.stop * d),
+        "self_attn.v_proj.weight": (0, kv.start * d, kv.stop * d),
+        "self_attn.index_q_proj.weight": (0, kv.start * di, kv.stop * di),
+        "self_attn.o_proj.weight": (1, q.start * d, q.stop * d),
+    }.get(leaf)
+
+
+def _mlp_cut(leaf: str, shape: tuple[int, ...], pc: ParallelConfig) -> tuple[int, int, int] | None:
+    """(dim, lo, hi) of this rank's part of an MLP or expert weight: gate/up rows, down columns,
+    whole experts with expert parallelism, else each expert's width; None: replicated."""
     if leaf.endswith(("gate_proj.weight", "up_proj.weight")):
-        return split(0, *part(shape[0], pc, "intermediate width"))
+        return 0, *part(shape[0], pc, "intermediate width")
     if leaf.endswith("down_proj.weight"):
-        return split(1, *part(shape[1], pc, "intermediate width"))
+        return 1, *part(shape[1], pc, "intermediate width")
     if leaf.endswith(("experts.w1", "experts.w3", "experts.w2")):
         if pc.ep:
-            return split(0, *part(shape[0], pc, "num_local_experts"))
+            return 0, *part(shape[0], pc, "num_local_experts")
         dim = 2 if leaf.endswith("w2") else 1
-        return split(dim, *part(shape[dim], pc, "intermediate_size"))
-    return ()
+        return dim, *part(shape[dim], pc, "intermediate_size")
+    return None
 
 
 def scale_shard(shard: tuple[slice, ...], weight: str) -> tuple[slice, ...]:

@@ -43,7 +43,14 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """Sequences to run this step with their token counts (cache pages already allocated)."""
-        budget, plan = self.budget, []
+        plan: list[tuple[Sequence, int]] = []
+        budget = self._continue_running(plan, self.budget)
+        self._admit_waiting(plan, budget)
+        return plan
+
+    def _continue_running(self, plan: list[tuple[Sequence, int]], budget: int) -> int:
+        """Plan the running sequences' next tokens, oldest first, preempting the newest when pages
+        run out; returns the token budget left."""
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -63,6 +70,11 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 plan.append((seq, n))
                 budget -= n
+        return budget
+
+    def _admit_waiting(self, plan: list[tuple[Sequence, int]], budget: int) -> None:
+        """Admit waiting sequences in arrival order, each on its cached prefix, while the budget,
+        `max_num_seqs` and the pages allow."""
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -91,7 +103,6 @@ class Scheduler:
             self.running.append(seq)
             plan.append((seq, n))
             budget -= n
-        return plan
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages; it is recomputed (prompt + output so far) later."""

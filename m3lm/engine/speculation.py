@@ -79,20 +79,28 @@ class Speculator:
 
     def propose(self, seqs: list[Sequence], blocks: BlockManager, runner) -> None:
         """After a step: set the drafts of each of its sequences that now decodes (its last token
-        not yet computed); an EAGLE-3 drafter first takes in every position the step kept, then
-        drafts every sequence at once (`EagleDrafter.draft_rows`): a sequence that decoded is
-        taken in there too (k + 1 rows at most), a prompt's chunk first, alone (`EagleDrafter.draft`
-        drafting nothing), and then its last position again among the rows."""
-        c = self.config
+        not yet computed), by prompt lookup or with the EAGLE-3 drafter."""
         for seq in seqs:
             seq.draft_ids = []
         rooms = [self.room(s) if self.eligible(s) and s.num_cached == s.num_tokens - 1 else 0 for s in seqs]
         if self.drafter is None:
-            for seq, room in zip(seqs, rooms, strict=True):
-                if room:
-                    seq.lookup = seq.lookup or ngram.Lookup()
-                    seq.draft_ids = seq.lookup.propose(seq, room, c.prompt_lookup_min, c.prompt_lookup_max)
-            return
+            self._propose_lookup(seqs, rooms)
+        else:
+            self._propose_eagle(seqs, rooms, blocks, runner)
+
+    def _propose_lookup(self, seqs: list[Sequence], rooms: list[int]) -> None:
+        """Draft by prompt lookup: each sequence with room, from its own n-gram index."""
+        c = self.config
+        for seq, room in zip(seqs, rooms, strict=True):
+            if room:
+                seq.lookup = seq.lookup or ngram.Lookup()
+                seq.draft_ids = seq.lookup.propose(seq, room, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def _propose_eagle(self, seqs: list[Sequence], rooms: list[int], blocks: BlockManager, runner) -> None:
+        """Draft with EAGLE-3: the drafter first takes in every position the step kept, then
+        drafts every sequence at once (`EagleDrafter.draft_rows`): a sequence that decoded is
+        taken in there too (k + 1 rows at most), a prompt's chunk first, alone (`EagleDrafter.draft`
+        drafting nothing), and then its last position again among the rows."""
         live, rows = [], []
         for seq, room in zip(seqs, rooms, strict=True):
             offset, start, n = runner.spans[seq.seq_id]

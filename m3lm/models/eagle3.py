@@ -24,12 +24,16 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from m3lm.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from m3lm.config import ModelArgs
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -273,9 +277,28 @@ class Eagle3(nn.Module):
 def load_eagle3(path: str | Path, target, dtype: torch.dtype, device) -> Eagle3:
     """Read a drafter directory (config.json and safetensors) for `target` (a MiniMaxM3), with
     the strict checks of the target's loader; any problem is a one-line CheckpointError."""
-    from safetensors import safe_open
-
     path = Path(path)
+    t = target.args
+    a = EagleArgs.from_dict(_read_config(path), t.num_hidden_layers, str(path / "config.json"))
+    _check_sizes(path, a, t)
+    tensors = _read_tensors(path)
+    own_embed, own_head = "embed_tokens.weight" in tensors, "lm_head.weight" in tensors
+    if not own_embed and a.hidden_size != t.hidden_size:
+        raise CheckpointError(f"{path}: no embed_tokens.weight, and the target's embedding has another width")
+    if not own_head and (a.hidden_size != t.hidden_size or a.draft_vocab_size != t.vocab_size):
+        raise CheckpointError(f"{path}: no lm_head.weight, and the target's lm_head has another shape")
+    model = Eagle3(a, dtype, own_embed, own_head)
+    _fill(path, model, tensors)
+    mapped = model.d2t + torch.arange(a.draft_vocab_size)
+    if int(mapped.min()) < 0 or int(mapped.max()) >= t.vocab_size:
+        raise CheckpointError(f"{path}: d2t maps draft ids outside the target's vocabulary")
+    model.to(device)
+    model.bind(target)
+    return model.eval()
+
+
+def _read_config(path: Path) -> dict:
+    """The drafter directory's config.json, as a JSON object; CheckpointError if it is not one."""
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (an EAGLE-3 drafter directory has one)")
     try:
@@ -284,8 +307,12 @@ def load_eagle3(path: str | Path, target, dtype: torch.dtype, device) -> Eagle3:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path / 'config.json'}: not a JSON object")
-    t = target.args
-    a = EagleArgs.from_dict(config, t.num_hidden_layers, str(path / "config.json"))
+    return config
+
+
+def _check_sizes(path: Path, a: EagleArgs, t: ModelArgs) -> None:
+    """CheckpointError unless the drafter reads hidden states of the target's width and shares
+    its vocabulary."""
     if a.target_hidden_size != t.hidden_size:
         raise CheckpointError(
             f"{path}: the drafter reads hidden states of size {a.target_hidden_size} "
@@ -293,6 +320,13 @@ def load_eagle3(path: str | Path, target, dtype: torch.dtype, device) -> Eagle3:
         )
     if a.vocab_size != t.vocab_size:
         raise CheckpointError(f"{path}: vocab_size = {a.vocab_size} but the target's is {t.vocab_size}")
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files, by m3lm's drafter names (`t2d` left
+    out: `d2t` implies it)."""
+    from safetensors import safe_open
+
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no .safetensors files")
@@ -302,12 +336,12 @@ def load_eagle3(path: str | Path, target, dtype: torch.dtype, device) -> Eagle3:
             for key in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 tensors[_name(key)] = st.get_tensor(key)
     tensors.pop("t2d", None)  # implied by d2t
-    own_embed, own_head = "embed_tokens.weight" in tensors, "lm_head.weight" in tensors
-    if not own_embed and a.hidden_size != t.hidden_size:
-        raise CheckpointError(f"{path}: no embed_tokens.weight, and the target's embedding has another width")
-    if not own_head and (a.hidden_size != t.hidden_size or a.draft_vocab_size != t.vocab_size):
-        raise CheckpointError(f"{path}: no lm_head.weight, and the target's lm_head has another shape")
-    model = Eagle3(a, dtype, own_embed, own_head)
+    return tensors
+
+
+def _fill(path: Path, model: Eagle3, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy each tensor into its parameter (or `d2t`); CheckpointError for a tensor the drafter
+    has no place for, one of another shape, or a parameter no tensor fills."""
     params = dict(model.named_parameters()) | {"d2t": model.d2t}
     for name, value in tensors.items():
         if name not in params:
@@ -321,12 +355,6 @@ def load_eagle3(path: str | Path, target, dtype: torch.dtype, device) -> Eagle3:
     missing = sorted(set(params) - set(tensors) - {"d2t"})
     if missing:
         raise CheckpointError(f"{path}: missing tensor {missing[0]} ({len(missing)} missing)")
-    mapped = model.d2t + torch.arange(a.draft_vocab_size)
-    if int(mapped.min()) < 0 or int(mapped.max()) >= t.vocab_size:
-        raise CheckpointError(f"{path}: d2t maps draft ids outside the target's vocabulary")
-    model.to(device)
-    model.bind(target)
-    return model.eval()
 
 
 def _name(key: str) -> str:

@@ -163,9 +163,9 @@ def type_value(text: str, schema: Any) -> Any:
     stay strings); null only when the schema allows it and the text is `null`; object/array
     leaves are empty containers or bounded JSON text. Nothing is ever evaluated.
     """
-    for value in _enumerated(schema):  # enum / const members, written as the template writes them
-        if (text if isinstance(value, str) else text.strip()) == _rendered(value):
-            return value
+    found, member = _enum_member(text, schema)
+    if found:
+        return member
     types = schema_types(schema)
     if not types:
         return text
@@ -180,13 +180,30 @@ def type_value(text: str, schema: Any) -> Any:
         return i
     if "number" in types and (n := _number(s)) is not None:
         return n
-    if types & {"object", "array"}:
-        if not s:
-            return {} if "object" in types else []
-        ok, v = parse_json_bounded(s)
-        if ok and ((isinstance(v, dict) and "object" in types) or (isinstance(v, list) and "array" in types)):
-            return v
-    return text
+    found, container = _container(s, types)
+    return container if found else text
+
+
+def _enum_member(text: str, schema: Any) -> tuple[bool, Any]:
+    """(True, the schema's `enum` or `const` member that `text` writes as the template writes it),
+    else (False, None); a member may itself be None."""
+    for value in _enumerated(schema):
+        if (text if isinstance(value, str) else text.strip()) == _rendered(value):
+            return True, value
+    return False, None
+
+
+def _container(s: str, types: set[str]) -> tuple[bool, Any]:
+    """(True, the object or array that stripped leaf text `s` holds) when `types` allow one: an
+    empty leaf is an empty container, else bounded JSON of an allowed kind; else (False, None)."""
+    if not types & {"object", "array"}:
+        return False, None
+    if not s:
+        return True, {} if "object" in types else []
+    ok, v = parse_json_bounded(s)
+    if ok and ((isinstance(v, dict) and "object" in types) or (isinstance(v, list) and "array" in types)):
+        return True, v
+    return False, None
 
 
 _JSON_WS = re.compile(r"[ \t\n\r]*")
@@ -229,27 +246,39 @@ class _JsonReader:
         if depth > MAX_DEPTH:
             raise _BadJson("JSON nested too deep")
         if self.skip("{"):
-            obj: dict[str, Any] = {}
-            if self.skip("}"):
-                return obj
-            while True:
-                key = self.string()
-                self.expect(":")
-                obj[key] = self.value(depth + 1)
-                if self.skip("}"):
-                    return obj
-                self.expect(",")
+            return self.object(depth)
         if self.skip("["):
-            arr: list[Any] = []
-            if self.skip("]"):
-                return arr
-            while True:
-                arr.append(self.value(depth + 1))
-                if self.skip("]"):
-                    return arr
-                self.expect(",")
+            return self.array(depth)
         if self.s.startswith('"', self.i):
             return self.string()
+        return self.scalar()
+
+    def object(self, depth: int) -> dict[str, Any]:
+        """The members of an object whose `{` was just read, up to its `}`."""
+        obj: dict[str, Any] = {}
+        if self.skip("}"):
+            return obj
+        while True:
+            key = self.string()
+            self.expect(":")
+            obj[key] = self.value(depth + 1)
+            if self.skip("}"):
+                return obj
+            self.expect(",")
+
+    def array(self, depth: int) -> list[Any]:
+        """The items of an array whose `[` was just read, up to its `]`."""
+        arr: list[Any] = []
+        if self.skip("]"):
+            return arr
+        while True:
+            arr.append(self.value(depth + 1))
+            if self.skip("]"):
+                return arr
+            self.expect(",")
+
+    def scalar(self) -> Any:
+        """true, false, null or a finite number."""
         for word, v in (("true", True), ("false", False), ("null", None)):
             if self.s.startswith(word, self.i):
                 self.i += len(word)

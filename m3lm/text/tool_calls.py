@@ -34,7 +34,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from m3lm.text.schema_values import (
     MAX_DEPTH,
@@ -308,65 +308,86 @@ class ToolCallParser:
         return self._process(final=True)
 
     def _process(self, final: bool) -> list[ToolEvent]:
-        g, buf, pos = self._g, self._buf, 0
+        """Run the buffer through the states (content, block, invoke) as far as it is decided;
+        keep what is not (a tail that may yet become a marker, an invoke still open)."""
+        buf, pos, more = self._buf, 0, True
         events: list[ToolEvent] = []
-        while True:
-            if self._state == "content":
-                if self._lstrip:
-                    while pos < len(buf) and (buf[pos].isspace() or buf[pos] == CLOSE):
-                        pos += 1
-                    if pos == len(buf):
-                        break
-                    self._lstrip = False
-                idx, pat = _find_first(buf, pos, g.openers)
-                if idx >= 0:
-                    seg = _unmarked(buf[pos:idx])
-                    text = seg.rstrip()
-                    self._content(events, text)
-                    self._sep = seg[len(text) :] if text else self._sep or seg
-                    pos, self._state = idx + len(pat), "block"
-                    continue
-                end = len(buf) if final else _ws_start(buf, pos, len(buf) - _partial_len(buf, pos, g.openers))
-                self._content(events, _unmarked(buf[pos:end]))
-                pos = end
-                break
-            if self._state == "block":
-                i_idx, i_pat = _find_first(buf, pos, g.invoke_starts)
-                c_idx, c_pat = _find_first(buf, pos, g.closers)
-                if c_idx >= 0 and (i_idx < 0 or c_idx < i_idx):
-                    _note_junk(buf[pos:c_idx])
-                    pos, self._state, self._lstrip = c_idx + len(c_pat), "content", True
-                    continue
-                if i_idx >= 0:
-                    _note_junk(buf[pos:i_idx])
-                    pos = self._start = i_idx + len(i_pat) - len("<invoke")
-                    self._scan, self._state = self._start + len("<invoke"), "invoke"
-                    continue
-                end = len(buf) if final else len(buf) - _partial_len(buf, pos, g.invoke_starts + g.closers)
-                _note_junk(buf[pos:end])
-                pos = end
-                break
-            idx, pat = _find_first(buf, self._scan, (g.invoke_end, g.invoke_restart))
-            if idx >= 0:
-                if pat == g.invoke_end:
-                    self._call(events, buf[self._start : idx])
-                    pos = idx + len(pat)
-                else:
-                    logger.warning(
-                        "skipped an invoke never closed before the next one: %r", buf[self._start : idx][:200]
-                    )
-                    pos = idx
-                self._state = "block"
-                continue
-            if final:
-                logger.warning("skipped an invoke never closed: %r", buf[self._start :][:200])
-                pos = len(buf)
-            else:
-                self._scan = max(self._scan, len(buf) - max(len(g.invoke_end), len(g.invoke_restart)) + 1)
-            break
+        while more:
+            pos, more = self._STATES[self._state](self, buf, pos, final, events)
         self._buf = buf[pos:]
         self._start, self._scan = self._start - pos, self._scan - pos
         return events
+
+    def _in_content(self, buf: str, pos: int, final: bool, events: list[ToolEvent]) -> tuple[int, bool]:
+        """Answer text up to the next block opener, which enters the block; else all of it but a
+        tail that may yet open one. Returns (the position reached, whether to go on)."""
+        g = self._g
+        if self._lstrip:
+            while pos < len(buf) and (buf[pos].isspace() or buf[pos] == CLOSE):
+                pos += 1
+            if pos == len(buf):
+                return pos, False
+            self._lstrip = False
+        idx, pat = _find_first(buf, pos, g.openers)
+        if idx >= 0:
+            seg = _unmarked(buf[pos:idx])
+            text = seg.rstrip()
+            self._content(events, text)
+            self._sep = seg[len(text) :] if text else self._sep or seg
+            self._state = "block"
+            return idx + len(pat), True
+        end = len(buf) if final else _ws_start(buf, pos, len(buf) - _partial_len(buf, pos, g.openers))
+        self._content(events, _unmarked(buf[pos:end]))
+        return end, False
+
+    def _in_block(self, buf: str, pos: int, final: bool, events: list[ToolEvent]) -> tuple[int, bool]:
+        """Inside a block: the closer goes back to content, an invoke's start enters the invoke,
+        and text between them is dropped. Returns (the position reached, whether to go on)."""
+        g = self._g
+        i_idx, i_pat = _find_first(buf, pos, g.invoke_starts)
+        c_idx, c_pat = _find_first(buf, pos, g.closers)
+        if c_idx >= 0 and (i_idx < 0 or c_idx < i_idx):
+            _note_junk(buf[pos:c_idx])
+            self._state, self._lstrip = "content", True
+            return c_idx + len(c_pat), True
+        if i_idx >= 0:
+            _note_junk(buf[pos:i_idx])
+            pos = self._start = i_idx + len(i_pat) - len("<invoke")
+            self._scan, self._state = self._start + len("<invoke"), "invoke"
+            return pos, True
+        end = len(buf) if final else len(buf) - _partial_len(buf, pos, g.invoke_starts + g.closers)
+        _note_junk(buf[pos:end])
+        return end, False
+
+    def _in_invoke(self, buf: str, pos: int, final: bool, events: list[ToolEvent]) -> tuple[int, bool]:
+        """Inside an invoke: at its end it becomes a call; one never closed (another starts, or
+        the reply ends) is skipped. Returns (the position reached, whether to go on)."""
+        g = self._g
+        idx, pat = _find_first(buf, self._scan, (g.invoke_end, g.invoke_restart))
+        if idx >= 0:
+            if pat == g.invoke_end:
+                self._call(events, buf[self._start : idx])
+                pos = idx + len(pat)
+            else:
+                logger.warning(
+                    "skipped an invoke never closed before the next one: %r", buf[self._start : idx][:200]
+                )
+                pos = idx
+            self._state = "block"
+            return pos, True
+        if final:
+            logger.warning("skipped an invoke never closed: %r", buf[self._start :][:200])
+            pos = len(buf)
+        else:
+            self._scan = max(self._scan, len(buf) - max(len(g.invoke_end), len(g.invoke_restart)) + 1)
+        return pos, False
+
+    # what to do in each state: (self, buf, pos, final, events) -> (position reached, go on?)
+    _STATES: ClassVar[dict[str, Callable[..., tuple[int, bool]]]] = {
+        "content": _in_content,
+        "block": _in_block,
+        "invoke": _in_invoke,
+    }
 
     def _content(self, events: list[ToolEvent], text: str) -> None:
         if text:
