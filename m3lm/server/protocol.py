@@ -191,18 +191,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _bounded(name: str):
+    """An optional sampling field within `SamplingParams.BOUNDS[name]`, the one home of the ranges."""
+    b = SamplingParams.BOUNDS[name]
+    return Field(None, **({"gt": b.low} if b.open_low else {"ge": b.low}), le=b.high)
+
+
 class _Request(_Body):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)  # 0: only with echo or prompt_logprobs
-    temperature: float | None = Field(None, ge=0.0, le=100.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=SamplingParams.INT64_RANGE[0], le=SamplingParams.INT64_RANGE[1])
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    temperature: float | None = _bounded("temperature")
+    top_p: float | None = _bounded("top_p")
+    top_k: int | None = _bounded("top_k")
+    min_p: float | None = _bounded("min_p")
+    presence_penalty: float | None = _bounded("presence_penalty")
+    frequency_penalty: float | None = _bounded("frequency_penalty")
+    repetition_penalty: float | None = _bounded("repetition_penalty")
     seed: int | None = Field(None, ge=SamplingParams.INT64_RANGE[0], le=SamplingParams.INT64_RANGE[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -272,9 +278,7 @@ class _Request(_Body):
             "repetition_penalty": self.repetition_penalty,
             "seed": self.seed,
         }
-        base = {
-            k: getattr(defaults, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-        }
+        base = {k: getattr(defaults, k) for k in SamplingParams.GENERATION_DEFAULTS}
         base.update({k: v for k, v in fields.items() if v is not None})
         return SamplingParams(
             **base,
