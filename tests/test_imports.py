@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
@@ -218,7 +219,6 @@ def test_pyproject_lists_every_distribution_the_package_imports():
     """A plain `pip install m3lm` brings everything the package imports (Triton comes with
     torch's CUDA build, and only the GPU kernels import it; matplotlib, for plots, is the `plot`
     extra, Ray for `serve_ray.py` the `ray` extra)."""
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
     listed = {canonicalize_name(Requirement(r).name) for r in pyproject["project"]["dependencies"]}
     # an extra's packages are imported on use, where the feature they serve runs (plots, Ray Serve)
@@ -234,11 +234,19 @@ def test_pyproject_lists_every_distribution_the_package_imports():
 
 
 def test_the_layout_stays_readable():
-    """No package file over 600 lines and the model file under 500; the README at most 200
-    lines; at most 12 benchmark scripts at the top of benchmarks/ (the rest in its folders)."""
+    """Functions, not files, are what a size cap should bound: lint refuses a package function of
+    McCabe complexity over 10 (pyproject's `C90`) unless it says `noqa: C901`, which at most 12
+    may. The README at most 200 lines; at most 12 benchmark scripts at the top of benchmarks/ (the
+    rest in its folders)."""
     root = PACKAGE.parent
-    lines = {p.relative_to(root): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    assert {p: n for p, n in lines.items() if n > 600} == {}
-    assert lines[Path("m3lm/models/minimax_m3.py")] < 500
+    lint = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]
+    assert "C90" in lint["select"] and lint["mccabe"]["max-complexity"] == 10
+    waived = {
+        f"{p.relative_to(root)}:{i}"
+        for p in PACKAGE.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "noqa: C901" in line
+    }
+    assert len(waived) <= 12, sorted(waived)
     assert len((root / "README.md").read_text().splitlines()) <= 200
     assert len(list((root / "benchmarks").glob("*.py"))) <= 12

@@ -412,7 +412,7 @@ class Remapped:  # the pieces, and the source shape they expect (None: the targe
     shape: tuple[int, ...] | None
 
 
-def remap_key(
+def remap_key(  # noqa: C901 (the checkpoints' naming quirks, kept in one place)
     name: str, shape: tuple[int, ...], args: ModelArgs, params: dict[str, tuple]
 ) -> Remapped | None:
     """Where checkpoint tensor `name` goes: None to skip it (vision, projector, MTP).
