@@ -295,7 +295,7 @@ class LLMEngine:
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params,
-            max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
+            output_limit=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
             generator=make_generator(params.seed, self.device),
         )
         if params.structured is not None or params.thinking is not None:
@@ -375,7 +375,7 @@ class LLMEngine:
         tables = [self.blocks.table(seq.seq_id) for seq, _ in plan]
         ready, logits, scored = self.runner.run(plan, tables)
         # the rows `_sample` takes: their grammars' masks are filled while the forward runs
-        sampled = [s for s in ready if not s.draft_ids and s.max_tokens > 0]
+        sampled = [s for s in ready if not s.draft_ids and s.output_limit > 0]
         masks = self.masks.fill([s.constraint for s in sampled])
         for seq, _ in plan:  # name the pages this step filled, for later prompts with the same prefix
             self.blocks.seal(seq.seq_id, seq.num_cached - len(seq.draft_ids), seq.tokens)
@@ -383,9 +383,9 @@ class LLMEngine:
         if scored:
             _score_prompts(logits[n_rows:], scored)
             logits = logits[:n_rows]
-        scored_only = [self._scored_only(s) for s in ready if s.max_tokens == 0]
+        scored_only = [self._scored_only(s) for s in ready if s.output_limit == 0]
         if scored_only:  # prompts scored with nothing to generate: they end without a sample
-            keep = [i for i, s in enumerate(ready) if s.max_tokens > 0]  # none of them has drafts
+            keep = [i for i, s in enumerate(ready) if s.output_limit > 0]  # none of them has drafts
             ready, logits = [ready[i] for i in keep], logits[keep]
         results = started + scored_only
         if any(s.draft_ids for s in ready):
@@ -500,7 +500,7 @@ class LLMEngine:
         stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids)
         if seq.constraint is not None and seq.constraint.terminated:
             stop_token = True  # the grammar is complete (its stop token, or nothing can follow)
-        reason = "stop" if stop_token else "length" if len(seq.output_ids) >= seq.max_tokens else None
+        reason = "stop" if stop_token else "length" if len(seq.output_ids) >= seq.output_limit else None
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)

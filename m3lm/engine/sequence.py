@@ -23,7 +23,7 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    max_tokens: int  # params.max_tokens, capped by the context length
+    output_limit: int  # tokens it may generate: params.max_tokens, capped by what the context leaves
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose keys are in the cache
     num_prefix_cached: int = 0  # prompt positions found in the prefix cache when first admitted

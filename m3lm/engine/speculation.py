@@ -74,8 +74,8 @@ class Speculator:
         return seq.constraint is None and seq.status is SeqStatus.RUNNING
 
     def room(self, seq: Sequence) -> int:
-        """Drafts the sequence can take: k, fewer near max_tokens (a step emits drafts + 1)."""
-        return max(0, min(self.k, seq.max_tokens - len(seq.output_ids) - 1))
+        """Drafts the sequence can take: k, fewer near its output limit (a step emits drafts + 1)."""
+        return max(0, min(self.k, seq.output_limit - len(seq.output_ids) - 1))
 
     def propose(self, seqs: list[Sequence], blocks: BlockManager, runner) -> None:
         """After a step: set the drafts of each of its sequences that now decodes (its last token

@@ -121,7 +121,7 @@ def warmup_plan(
 
 def _throwaway(seq_id: int, shape: StepShape, vocab: int) -> Sequence:
     ids = [(7 + 31 * i) % vocab for i in range(shape.positions)]
-    seq = Sequence(seq_id, f"warmup-{-seq_id}", ids, SamplingParams(max_tokens=1), max_tokens=1)
+    seq = Sequence(seq_id, f"warmup-{-seq_id}", ids, SamplingParams(max_tokens=1), output_limit=1)
     seq.num_cached = shape.cached
     return seq
 

@@ -45,9 +45,8 @@ async def completion(state: ServerState, req: CompletionRequest, request: Reques
         )
         if per_token:
             check_prompt_logprobs(sum(map(len, ids)), per_token, req.n)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = req.sampling(
-            state.defaults, max_tokens, req.logprobs, req.stops(), prompt_logprobs=req.scored_prompt()
+            state.defaults, req.output_limit(), req.logprobs, req.stops(), prompt_logprobs=req.scored_prompt()
         )
         if req.response_format is not None or req.structured_outputs is not None:
             if tok is None:

@@ -240,12 +240,9 @@ async def prepare_chat(
         prompt_ids = await run_in_threadpool(
             tok.chat_prompt, messages, tools, True, req.chat_template_kwargs, state.max_prompt_tokens
         )
-        # Unset: until the context ends, as vLLM does (the engine clamps to what is left).
-        max_tokens = next(
-            (m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), state.max_model_len
-        )
+        limit = req.output_limit(state.max_model_len)
         params = req.sampling(
-            state.defaults, max_tokens, req.requested_logprobs(), [], prompt_logprobs=req.prompt_logprobs
+            state.defaults, limit, req.requested_logprobs(), [], prompt_logprobs=req.prompt_logprobs
         )
         if req.prompt_logprobs is not None:
             check_prompt_logprobs(len(prompt_ids), req.prompt_logprobs + 1, req.n)

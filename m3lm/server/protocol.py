@@ -377,6 +377,12 @@ class ChatCompletionRequest(_Request):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def output_limit(self, max_model_len: int) -> int:
+        """max_completion_tokens, else max_tokens; unset: until the context ends, as vLLM does (the
+        engine caps it to what the context leaves)."""
+        given = (m for m in (self.max_completion_tokens, self.max_tokens) if m is not None)
+        return next(given, max_model_len)
+
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -394,6 +400,10 @@ class CompletionRequest(_Request):
             raise ValueError("best_of is not supported (only 1); use n for several choices")
         if self.suffix:
             raise ValueError("suffix is not supported: this model does not fill in the middle")
+
+    def output_limit(self) -> int:
+        """max_tokens; unset: 16, OpenAI's default for completions."""
+        return 16 if self.max_tokens is None else self.max_tokens
 
     def scored_prompt(self) -> int | None:
         """How many alternatives to score each prompt token with (None: no prompt scoring):

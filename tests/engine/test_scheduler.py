@@ -25,7 +25,7 @@ def simulate_step(sched: Scheduler, plan) -> list[Sequence]:
         sched.blocks.seal(seq.seq_id, seq.num_cached, seq.tokens)
         if seq.num_cached == seq.num_tokens:
             seq.output_ids.append(7)
-            if len(seq.output_ids) >= seq.max_tokens:
+            if len(seq.output_ids) >= seq.output_limit:
                 sched.finish(seq, "length")
                 done.append(seq)
     return done
@@ -248,7 +248,7 @@ def test_random_load_with_prefix_caching_reads_only_its_own_tokens(seed):
             bm.seal(s.seq_id, s.num_cached, s.tokens)
             if s.num_cached == s.num_tokens:
                 s.output_ids.append(rng.randint(1, 3))
-                if len(s.output_ids) >= s.max_tokens:
+                if len(s.output_ids) >= s.output_limit:
                     sched.finish(s, "length")
         hits = max(hits, sched.prefix_cached_tokens)
         bm.check()

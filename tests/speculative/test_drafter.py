@@ -52,7 +52,7 @@ def case(seed: int, device: str = "cpu", dtype=torch.float32):
         end = start + valid  # num_cached after the step
         table = pages[b * 8 : b * 8 + -(-(end + 1) // PAGE)]
         ids = torch.randint(0, 50, (end + 1,), generator=g).tolist()
-        seq = Sequence(b, str(b), ids, SamplingParams(), max_tokens=100, num_cached=end)
+        seq = Sequence(b, str(b), ids, SamplingParams(), output_limit=100, num_cached=end)
         rows.append(DraftRows(table, start, seq.tokens(start + 1, end + 1), first, n))
         seqs.append(seq)
         first += n
@@ -114,7 +114,7 @@ def test_a_prompt_taken_in_alone_then_drafted_among_rows_is_drafted_as_alone():
     g = torch.Generator().manual_seed(4)
     start, end = 5, 17  # the chunk's positions, start .. end - 1
     ids = torch.randint(0, 50, (end + 1,), generator=g).tolist()
-    prompt = Sequence(9, "9", ids, SamplingParams(), max_tokens=100, num_cached=end)
+    prompt = Sequence(9, "9", ids, SamplingParams(), output_limit=100, num_cached=end)
     used = {p for r in rows for p in r.table}
     table = [p for p in range(1, 39) if p not in used][: -(-(end + 1) // PAGE)]  # no one else's pages
     chunk = torch.randn(end - start, hidden.shape[1], generator=g)
