@@ -139,7 +139,7 @@ def with_text(engine: LLMEngine, texts: dict[str, TextStream]) -> Iterator[StepO
     while engine.has_unfinished():
         for out in engine.step():
             text = texts.get(out.request_id)
-            if text is not None and text.feed(out):
+            if text is not None and text.fill(out):
                 engine.abort(out.request_id)
             yield out
 

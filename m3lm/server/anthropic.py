@@ -343,7 +343,7 @@ def _tool_id(call_id: str) -> str:
 
 
 class ContentBlocks:
-    """Anthropic content blocks from a reply's typed events: `feed` returns the stream events
+    """Anthropic content blocks from a reply's typed events: `write` returns the stream events
     (data objects, each with its `type`) and `blocks` holds the whole content as it grows."""
 
     def __init__(self, signer: ThinkingSigner) -> None:
@@ -352,7 +352,7 @@ class ContentBlocks:
         self._open: str | None = None  # the type of the block still open
         self._json = ""  # the open tool_use block's input so far
 
-    def feed(self, ev: ReplyEvent) -> list[dict]:
+    def write(self, ev: ReplyEvent) -> list[dict]:
         if isinstance(ev, ToolCallHeader):
             events = self.close()
             block = {"type": "tool_use", "id": _tool_id(ev.id), "name": ev.name, "input": {}}
@@ -465,7 +465,7 @@ class MessageWriter:
         return []
 
     async def chunks(self, c: Choice, out, events: list[ReplyEvent]) -> list[bytes]:
-        return self._start() + [_sse(data) for ev in events for data in self.blocks.feed(ev)]
+        return self._start() + [_sse(data) for ev in events for data in self.blocks.write(ev)]
 
     def keepalive(self) -> bytes:
         return b"".join(self._start()) + _sse({"type": "ping"})
@@ -483,7 +483,7 @@ class MessageWriter:
 
     def take(self, c: Choice, events: list[ReplyEvent]) -> None:
         for ev in events:
-            self.blocks.feed(ev)
+            self.blocks.write(ev)
 
     def whole(self, choices: list[Choice]) -> dict:
         self.blocks.close()

@@ -142,9 +142,9 @@ class RequestStream:
         self._items.append(item)
         self._ready.set()
 
-    def feed(self, res: StepOutput, now: float) -> StepOutput:
+    def receive(self, res: StepOutput, now: float) -> StepOutput:
         """Turn the engine's output into text (on the event loop) and queue it."""
-        if self._text is not None and self._text.feed(res):
+        if self._text is not None and self._text.fill(res):
             self.owner.abort(self.request_id)  # the engine may have made more: they are dropped
         if res.new_token_ids:
             self.last_token_time = now
@@ -439,7 +439,7 @@ class AsyncEngine:
                 continue  # aborted meanwhile
             previous = stream.last_token_time
             try:
-                res = stream.feed(out, now)
+                res = stream.receive(out, now)
             except Exception as e:  # a fault in one request's text ends that request only
                 log.exception("detokenizing %s failed", stream.request_id)
                 self.abort(stream.request_id)

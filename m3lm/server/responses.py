@@ -31,7 +31,7 @@ _json = msgspec.json.Encoder().encode
 
 
 class OutputItems:
-    """Output items from a reply's typed events: `feed` returns the stream events (without their
+    """Output items from a reply's typed events: `write` returns the stream events (without their
     sequence numbers) and `items` holds the output as it grows."""
 
     def __init__(self, names: dict[str, tuple[str, str]] | None = None) -> None:
@@ -42,7 +42,7 @@ class OutputItems:
     def _open(self) -> dict | None:
         return self.items[-1] if self.items and self.items[-1]["status"] == "in_progress" else None
 
-    def feed(self, ev: ReplyEvent) -> list[dict]:
+    def write(self, ev: ReplyEvent) -> list[dict]:
         if isinstance(ev, ToolCallHeader):
             namespace, name = self.names.get(ev.name, (None, ev.name))
             item = {
@@ -220,7 +220,7 @@ class ResponseWriter:
         ]
 
     async def chunks(self, c: Choice, out, events: list[ReplyEvent]) -> list[bytes]:
-        return [self._sse(data) for ev in events for data in self.out.feed(ev)]
+        return [self._sse(data) for ev in events for data in self.out.write(ev)]
 
     def keepalive(self) -> bytes:
         return b": keep-alive\n\n"
@@ -237,7 +237,7 @@ class ResponseWriter:
 
     def take(self, c: Choice, events: list[ReplyEvent]) -> None:
         for ev in events:
-            self.out.feed(ev)
+            self.out.write(ev)
 
     def whole(self, choices: list[Choice]) -> dict:
         self.out.close(self._status())

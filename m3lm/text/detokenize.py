@@ -96,7 +96,7 @@ class StopStrings:
         self._hold_max = max((len(s) for s in self.stops), default=1) - 1
         self._held = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
+    def cut(self, text: str) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string was reached); after a stop, always ("", True)."""
         if self.matched is not None:
             return "", True
@@ -136,12 +136,12 @@ class TextStream:
             text += self.detok.flush()
         if self.stops is None:
             return text, False
-        text, hit = self.stops.feed(text)
+        text, hit = self.stops.cut(text)
         if last and not hit:
             text += self.stops.flush()
         return text, hit
 
-    def feed(self, out: StepOutput) -> bool:
+    def fill(self, out: StepOutput) -> bool:
         """Fill `out`'s text from its ids; True when a stop string ended the request (`out` is then
         cut after the token that completed it and finishes "stop": the caller aborts the engine's
         request, which may have made more)."""

@@ -76,7 +76,7 @@ class ReplyText:
             if not isinstance(ev, ContentDelta):
                 events.append(ev)
                 continue
-            text, hit = self.stops.feed(ev.text)
+            text, hit = self.stops.cut(ev.text)
             if text:
                 events.append(ContentDelta(text))
             if hit:

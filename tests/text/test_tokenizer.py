@@ -322,7 +322,7 @@ def test_stop_strings_random_chunkings(seed):
         i += n
     ss, emitted, seen = StopStrings(stops), "", ""
     for chunk in chunks:
-        out, stopped = ss.feed(chunk)
+        out, stopped = ss.cut(chunk)
         emitted, seen = emitted + out, seen + chunk
         if stopped:
             break
@@ -330,21 +330,21 @@ def test_stop_strings_random_chunkings(seed):
     else:
         emitted += ss.flush()
     assert emitted == expected and ss.matched == expected_stop
-    assert ss.feed("more") == (("", True) if expected_stop else ("more", False))
+    assert ss.cut("more") == (("", True) if expected_stop else ("more", False))
 
 
 def test_stop_strings_examples():
     ss = StopStrings(["\nUser:", "", "STOP"])
-    assert ss.feed("Hello\nUs") == ("Hello", False)
-    assert ss.feed("ual") == ("\nUsual", False)
-    assert ss.feed(" ST") == (" ", False)
+    assert ss.cut("Hello\nUs") == ("Hello", False)
+    assert ss.cut("ual") == ("\nUsual", False)
+    assert ss.cut(" ST") == (" ", False)
     assert ss.flush() == "ST"
     ss = StopStrings(["bcd", "c"])
-    assert ss.feed("ab") == ("a", False)
-    assert ss.feed("cd") == ("b", True) and ss.matched == "c"  # "ab" in all
+    assert ss.cut("ab") == ("a", False)
+    assert ss.cut("cd") == ("b", True) and ss.matched == "c"  # "ab" in all
     ss = StopStrings(["abc", "bc"])
-    assert ss.feed("xabc") == ("x", True) and ss.matched == "abc"
-    assert StopStrings([]).feed("anything") == ("anything", False)
+    assert ss.cut("xabc") == ("x", True) and ss.matched == "abc"
+    assert StopStrings([]).cut("anything") == ("anything", False)
 
 
 FIXTURE = FIXTURES / "minimax-m3-tiny"
