@@ -250,3 +250,15 @@ def test_the_layout_stays_readable():
     assert len(waived) <= 12, sorted(waived)
     assert len((root / "README.md").read_text().splitlines()) <= 200
     assert len(list((root / "benchmarks").glob("*.py"))) <= 12
+
+
+def test_the_scheduler_and_the_page_allocator_hold_no_tensors():
+    """`engine/scheduler.py` and `cache/block_manager.py` plan with ids and counts alone: neither
+    imports torch itself (a sequence's sampling generator is `engine/sequence.py`'s)."""
+    for rel in ("engine/scheduler.py", "cache/block_manager.py", "cache/events.py"):
+        tree = ast.parse((PACKAGE / rel).read_text())
+        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {
+            n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+        }
+        assert not names & {"torch", "numpy", "triton"}, rel
