@@ -156,6 +156,7 @@ def run(ns, pc: ParallelConfig, dev: torch.device) -> tuple[list[dict], list[str
     for quant in ns.quant:
         if quant == "mxfp8":
             keep_mxfp8_(model, quantize=True)  # each rank quantises its shard (32-blocks stay aligned)
+            model.prepare_()
         resident = weight_bytes(model)
         label = quant if dev.type == "cuda" or quant == "mxfp8" else "fp32"
         sizes = ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in resident.items())

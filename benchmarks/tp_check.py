@@ -70,7 +70,7 @@ def prefill_then_decode(model: MiniMaxM3, ids: torch.Tensor) -> torch.Tensor:
 
 def _built(args, pc: ParallelConfig, dev, dtype, seed: int, quant: str) -> MiniMaxM3:
     model = build_shard(args, pc, dev, dtype, seed, "full")
-    return keep_mxfp8_(model, quantize=True) if quant == "mxfp8" else model
+    return keep_mxfp8_(model, quantize=True).prepare_() if quant == "mxfp8" else model
 
 
 def check(

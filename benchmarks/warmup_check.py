@@ -104,7 +104,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = build_slice(a.layers)
     if a.fp8:
-        keep_mxfp8_(model, quantize=True)
+        keep_mxfp8_(model, quantize=True).prepare_()
     config = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len)
     engine = LLMEngine(model, None, config)
     built = time.perf_counter() - t0

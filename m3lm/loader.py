@@ -549,7 +549,7 @@ def load_model(
         sum(sizes.values()) / 1e9,
         ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sizes.items()),
     )
-    return model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False).prepare_()  # the weights are final
 
 
 def load(

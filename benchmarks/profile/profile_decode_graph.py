@@ -39,7 +39,7 @@ def main() -> None:
     fill_cache(cache, torch.Generator(device="cuda").manual_seed(1))
     for quant in ("bf16", "mxfp8"):
         if quant == "mxfp8":
-            keep_mxfp8_(model, quantize=True)
+            keep_mxfp8_(model, quantize=True).prepare_()
             torch.cuda.empty_cache()
         graphs, graph = captured_decode(model, cache, args.batch, pages, args.ctx)
         ms = time_ms(graph.replay, 20)

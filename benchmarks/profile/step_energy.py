@@ -26,7 +26,7 @@ from m3lm.bench.gpu_meter import GpuMeter
 from m3lm.bench.slice import build_slice, prefill_step
 from m3lm.bench.timing import per_call
 from m3lm.kernels import moe_triton as mt
-from m3lm.kernels.moe import route, router_logits
+from m3lm.kernels.moe import SPLIT_ROUTER_MIN_T, route, router_logits
 
 
 def capture(model, length: int):
@@ -83,7 +83,8 @@ def main() -> None:
     w13_t = torch.cat([ex.w1, ex.w3], dim=1).transpose(1, 2)  # [E, C, 2I], for grouped_mm only
     x = seen["moe"]
     t, n_experts = x.shape[0], ex.w1.shape[0]
-    _, ids = route(router_logits(x, moe.gate.weight, moe._router_split(x)), moe.e_score_correction_bias, 4)
+    split = moe.router_split if t >= SPLIT_ROUTER_MIN_T else None  # as the model's prefill
+    _, ids = route(router_logits(x, moe.gate.weight, split), moe.e_score_correction_bias, 4)
     gen = torch.Generator(device="cuda").manual_seed(0)
     routings = {
         "the step's routing": ids,

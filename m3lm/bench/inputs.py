@@ -25,7 +25,7 @@ def layer1_inputs():
     x = seen[0]
     with torch.inference_mode():
         weights, ids = route(
-            router_logits(x, moe.gate.weight, moe._router_split(x)), moe.e_score_correction_bias, A
+            router_logits(x, moe.gate.weight, moe.router_split), moe.e_score_correction_bias, A
         )
     ex = moe.experts
     return x, weights, ids, ex.w1, ex.w3, ex.w2, moe.alpha, moe.limit

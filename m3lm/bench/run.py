@@ -125,6 +125,7 @@ def run(args) -> tuple[list[Row], list[str]]:
     for quant in quants:
         if quant != "bf16":  # the release's scheme or an export's, from the random bf16 weights
             keep_mxfp8_(model, quantize=True) if quant == "mxfp8" else quantize_q4_(model, quant)
+            model.prepare_()  # the packed projections of the new weights
             torch.cuda.empty_cache()
             bench.weigh(model, quant)
         bench.variant(model, quant)

@@ -32,11 +32,12 @@ def release_slice_config(layers: int) -> dict:
 
 
 def build_slice(layers: int, device: str = "cuda", seed: int = 0) -> MiniMaxM3:
-    """The release slice in bf16 with `random_weights_` (what `--load-format dummy` makes)."""
+    """The release slice in bf16 with `random_weights_` (what `--load-format dummy` makes),
+    prepared; a caller that quantises it prepares it again (`MiniMaxM3.prepare_`)."""
     args = parse_config(release_slice_config(layers))
     with torch.device("meta"):
         model = MiniMaxM3(args, dtype=torch.bfloat16)
-    return random_weights_(model.to_empty(device=device), seed).eval().requires_grad_(False)
+    return random_weights_(model.to_empty(device=device), seed).eval().requires_grad_(False).prepare_()
 
 
 def fill_cache(cache: KVCache, gen: torch.Generator) -> None:

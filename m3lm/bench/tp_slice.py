@@ -102,12 +102,13 @@ def fill_(model: MiniMaxM3, shapes: dict, pc: ParallelConfig, seed: int, mode: s
 def build_shard(
     args: ModelArgs, pc: ParallelConfig, device: torch.device, dtype: torch.dtype, seed: int, mode: str
 ) -> MiniMaxM3:
-    """This rank's shard of the slice, built on the meta device and filled on `device`."""
+    """This rank's shard of the slice, built on the meta device, filled on `device` and prepared
+    (a caller that quantises it prepares it again)."""
     with torch.device("meta"):
         model = MiniMaxM3(args, dtype=dtype, parallel=pc)
     model = model.to_empty(device=device).eval().requires_grad_(False)
     fill_(model, full_shapes(args, dtype), pc, seed, mode)
-    return model
+    return model.prepare_()
 
 
 class Depth:

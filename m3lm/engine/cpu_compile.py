@@ -175,8 +175,6 @@ class CompiledDecode:
         begin = time.perf_counter()
         try:
             program = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-            if not self.programs:
-                self._step(*self._inputs([0], [0], [[self.spare]]))  # an eager step packs the weights
             params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
             names = {name.removeprefix("model."): name for name in program.get_constant_fqns()}
             if names.keys() != params.keys():  # a weight folded into the program, or another model's

@@ -99,16 +99,15 @@ def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def packed_rows(*layers: nn.Module) -> tuple[torch.Tensor, ...] | None:
+def pack_rows_(*layers: nn.Module) -> tuple[torch.Tensor, ...] | None:
     """The weights of layers on the same input as one [O1 + O2 + ..., In] tensor (their rows in
-    order; with MXFP8, the scales likewise), for one product instead of several; None when they
-    differ in kind or width, or would have to be moved during CUDA graph capture.
+    order; with MXFP8, the scales likewise; in 4 bits, one `Q4Weight`), for one product instead
+    of several; None when they differ in kind or width.
 
-    The first call moves them into one buffer, and their parameters become views of it, so
-    loading, state dicts and the unpacked path see the same tensors as before. The packed views
-    are kept on the first layer while every parameter is still where they were made from.
-    Inside a compiled graph the kept views are taken as they are (`engine.cpu_compile` runs an
-    eager step before it compiles).
+    Their tensors move into one buffer and their parameters become views of it, so loading,
+    state dicts and the unpacked path see the same tensors as before, and a weight copied in
+    place shows in the packed one. A parameter replaced or moved afterwards is not: pack again
+    (`MiniMaxM3.prepare_`).
     """
     first = layers[0]
     if (
@@ -123,23 +122,14 @@ def packed_rows(*layers: nn.Module) -> tuple[torch.Tensor, ...] | None:
         )
     ):
         return None
-    kept = first.__dict__.get("_packed_rows")
-    if torch.compiler.is_compiling():  # a graph cannot compare pointers: an eager step packed them first
-        return None if kept is None else kept[1]
     groups = list(zip(*(_rows(m) for m in layers), strict=True))  # per tensor kind: one per layer
-    key = tuple((t.data_ptr(), t.shape, t.dtype) for g in groups for t in g)
-    if kept is not None and kept[0] == key:
-        return kept[1]
     if any(t.shape[1:] != g[0].shape[1:] or t.dtype != g[0].dtype for g in groups for t in g):
         return None
-    if not all(_follows(a, b) for g in groups for a, b in itertools.pairwise(g)):
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return None
-        for g in groups:
+    for g in groups:
+        if not all(_follows(a, b) for a, b in itertools.pairwise(g)):
             whole = torch.cat([t.data for t in g])
             for t, part in zip(g, whole.split([t.shape[0] for t in g]), strict=True):
                 t.data = part
-        key = tuple((t.data_ptr(), t.shape, t.dtype) for g in groups for t in g)
     packed = tuple(
         g[0].detach().as_strided((sum(t.shape[0] for t in g), *g[0].shape[1:]), g[0].stride()) for g in groups
     )
@@ -147,12 +137,11 @@ def packed_rows(*layers: nn.Module) -> tuple[torch.Tensor, ...] | None:
         packed = (
             Q4Weight(packed[0], packed[1], packed[2] if len(packed) == 3 else None, first.fmt, first.group),
         )
-    first.__dict__["_packed_rows"] = (key, packed)
     return packed
 
 
 def packed_linear(x: torch.Tensor, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """x [..., In] @ the `packed_rows` weight .T -> [..., O1 + O2 + ...] (bf16/fp32, MXFP8 or 4-bit)."""
+    """x [..., In] @ the `pack_rows_` weight .T -> [..., O1 + O2 + ...] (bf16/fp32, MXFP8 or 4-bit)."""
     flat = x.reshape(-1, x.shape[-1])
     # MXFP8: values [O, In] e4m3 and scales [O, In/32]; 4 bits: one Q4Weight; else one weight [O, In]
     if isinstance(packed[0], Q4Weight):

@@ -8,7 +8,7 @@ from torch import nn
 from m3lm.kernels.activation import swiglu_oai as swiglu_oai
 from m3lm.kernels.activation import swiglu_oai_ref as swiglu_oai_ref
 from m3lm.kernels.q4 import Q4Weight
-from m3lm.layers.linear import packed_linear, packed_rows
+from m3lm.layers.linear import pack_rows_, packed_linear
 
 
 class MLP(nn.Module):
@@ -18,21 +18,26 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(dim, inter, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(dim, inter, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(inter, dim, bias=False, dtype=dtype)
+        self.gate_up: tuple[torch.Tensor, ...] | None = None  # set by `prepare_`
+
+    def prepare_(self) -> None:
+        """Pack gate and up into one weight [gate rows; up rows] (`pack_rows_`), once the
+        weights are final; unprepared, the MLP runs the three products as they are."""
+        self.gate_up = pack_rows_(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = packed_rows(self.gate_proj, self.up_proj)
-        if packed is None:
+        if self.gate_up is None:
             return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.alpha, self.limit))
         if not x.is_cuda:  # one product, then the reference activation on its two halves
-            gate, up = packed_linear(x, packed).split(self.gate_proj.out_features, dim=-1)
+            gate, up = packed_linear(x, self.gate_up).split(self.gate_proj.out_features, dim=-1)
             return self.down_proj(swiglu_oai(gate, up, self.alpha, self.limit))
-        return self.down_proj(gate_up_swiglu(x, packed, self.alpha, self.limit))
+        return self.down_proj(gate_up_swiglu(x, self.gate_up, self.alpha, self.limit))
 
 
 def gate_up_swiglu(
     x: torch.Tensor, packed: tuple[torch.Tensor, ...], alpha: float, limit: float
 ) -> torch.Tensor:
-    """swiglu(x @ gate.T, x @ up.T) from the packed [gate rows; up rows] weight (`packed_rows`), on
+    """swiglu(x @ gate.T, x @ up.T) from the packed [gate rows; up rows] weight (`pack_rows_`), on
     the GPU: one product, then the activation; MXFP8 below DEQUANT_MIN_T rows in one launch, the
     activation applied to the fp32 sums (the FP8 kernel's `act="swiglu"`)."""
     from m3lm.kernels import fused

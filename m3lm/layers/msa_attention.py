@@ -79,23 +79,25 @@ class MSAAttention(nn.Module):
         return msa_attention(q, k, v, pos, self.scale, block_ids, block_size, first=first)
 
     def decode_heads(
-        self, y: torch.Tensor | None, shape: tuple[int, int, int, int], norms: tuple, eps: float,
+        self, y: torch.Tensor, shape: tuple[int, int, int, int], norms: tuple, eps: float,
         cos: torch.Tensor, sin: torch.Tensor, dec: DecodeBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
+    ) -> tuple | None:  # fmt: skip
         """A decode step's heads from the packed projections y [B, W] (GPU) in one launch: every
         head normed and rotated, k, v and the index key written into the caches -> (q [B, H, D],
-        iq [B, K, Di] or None). None where the caches do not take it (no packed product, another
-        cache dtype, an FP8 index cache): the caller then makes the heads itself.
+        None, None, iq [B, K, Di] or None, None), as `forward` takes them. None where the caches
+        do not take it (not on the GPU, another cache dtype, an FP8 index cache): the caller
+        then makes the heads itself.
         `shape`: (H, K, D, Di or 0 on full-attention layers); `norms`: the q, k (iq, ik) norm weights."""
         cache, layer = dec.cache, self.layer_idx
-        if y is None or not y.is_cuda or cache.k[layer].dtype != y.dtype or layer in cache.ik_scale:
+        if not y.is_cuda or cache.k[layer].dtype != y.dtype or layer in cache.ik_scale:
             return None
         from m3lm.kernels import fused
 
-        return fused.decode_heads(
+        q, iq = fused.decode_heads(
             y, shape, norms, eps, cos, sin,
             cache.k[layer], cache.v[layer], cache.ik.get(layer), dec.pages, dec.slots,
         )  # fmt: skip
+        return q, None, None, iq, None
 
     def _write_paged(
         self, k: torch.Tensor, v: torch.Tensor, ik: torch.Tensor | None, dec: DecodeBatch

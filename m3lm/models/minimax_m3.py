@@ -22,8 +22,8 @@ from m3lm.distributed.shard import check_mxfp8_split, head_ranges, part
 from m3lm.kernels.moe import SPLIT_ROUTER_MIN_T, MoEOutput, moe, route, router_logits, split_bf16
 from m3lm.kernels.q4 import Q4Weight
 from m3lm.layers.batch import DecodeBatch, ForwardBatch
-from m3lm.layers.heads import packed_heads
-from m3lm.layers.linear import MXFP8Linear, packed_linear, packed_rows, q4_extra, to_mxfp8_
+from m3lm.layers.heads import packed_heads, stack_norms
+from m3lm.layers.linear import MXFP8Linear, pack_rows_, packed_linear, q4_extra, to_mxfp8_
 from m3lm.layers.mlp import MLP
 from m3lm.layers.msa_attention import MSAAttention
 from m3lm.layers.norm import RMSNorm
@@ -64,19 +64,26 @@ class Attention(nn.Module):
             self.index_q_norm = RMSNorm(di, args.rms_norm_eps, dtype)
             self.index_k_norm = RMSNorm(di, args.rms_norm_eps, dtype)
         self.attn = MSAAttention(layer_idx, self.scale, self.msa)
+        self.packed = self.stacked_norms = None  # set by `prepare_`
+
+    def prepare_(self) -> None:
+        """Pack the projections into one weight [W, C]; on the CPU in fp32, stack the heads' norms [N, D]."""
+        self.packed, w = pack_rows_(*self._projections()), self.q_norm.weight
+        cpu = self.packed is not None and not w.is_cuda and w.dtype == torch.float32
+        self.stacked_norms = stack_norms(self._norms(), self.dims) if cpu else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | DecodeBatch) -> torch.Tensor:
         """x [T, C] -> [T, C]. RoPE comes from the batch's table (`batch.rope`), made after the
         projections are queued."""
-        y, outs = self._products(x)  # [T, W] on the GPU, else None; its column slices
+        y, outs = self._products(x)  # [T, W] when prepared, else None; its column slices
         cos, sin = batch.rope(*self.rotary)  # [T, R/2]
         heads = None
-        if isinstance(batch, DecodeBatch):  # on the GPU one launch: heads, and k, v into the caches
+        if self.stacked_norms is not None:  # prepared on the CPU: every head normed and rotated in one pass
+            rope = batch.rope_rows(*self.rotary, self.head_dim)
+            heads = packed_heads(y, self.stacked_norms, self.dims, rope, self.q_norm.eps)
+        elif y is not None and isinstance(batch, DecodeBatch):  # the GPU's one launch: k, v into the caches
             heads = self.attn.decode_heads(y, self.dims, self._norms(), self.q_norm.eps, cos, sin, batch)
-        if heads is not None:
-            (q, iq), k, v, ik = heads, None, None, None
-        else:  # on the CPU every head normed and rotated in one pass, where `packed_heads` can
-            q, k, v, iq, ik = packed_heads(y, self, batch) or self._heads(outs, cos, sin)
+        q, k, v, iq, ik = heads or self._heads(outs, cos, sin)
         return self.o_proj(self.attn(q, k, v, iq, ik, batch).flatten(1))  # [T, C]
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
@@ -84,17 +91,17 @@ class Attention(nn.Module):
         [T, K, Di] and keys [T, Di] (else None): projections, per-head norms and RoPE."""
         return self._heads(self._products(x)[1], cos, sin)
 
+    def _projections(self) -> list[nn.Module]:
+        sparse = [self.index_q_proj, self.index_k_proj] if self.sparse else []
+        return [self.q_proj, self.k_proj, self.v_proj, *sparse]
+
     def _products(self, x: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """x [T, C] -> (the packed output [T, W], or None where the weights cannot be packed; the
-        q, k, v (index q, index k) projections): one product over the packed weights, whose
-        column slices are the projections."""
-        layers = [self.q_proj, self.k_proj, self.v_proj]
-        if self.sparse:
-            layers += [self.index_q_proj, self.index_k_proj]
-        packed = packed_rows(*layers)
-        if packed is None:
+        """x [T, C] -> (the packed output [T, W], or None unprepared; the q, k, v (index q, index k)
+        projections): one product over the packed weights, whose column slices are the projections."""
+        layers = self._projections()
+        if self.packed is None:
             return None, [lin(x) for lin in layers]
-        y = packed_linear(x, packed)
+        y = packed_linear(x, self.packed)
         return y, list(y.split([lin.out_features for lin in layers], dim=-1))
 
     def _norms(self) -> tuple[torch.Tensor, ...]:
@@ -163,37 +170,31 @@ class MoE(nn.Module):
             args.hidden_size, _width(args.shared_intermediate_size, parallel), args.swiglu_alpha,
             args.swiglu_limit, dtype,
         )  # fmt: skip
+        self.router_split = self.shared_fp8 = None  # set by `prepare_`
+
+    def prepare_(self) -> None:
+        """The shared expert packed; its MXFP8 (gate, gate scales, up, up scales, down, down scales)
+        when it has a routed expert's shape, so that it can join their per-pair launches; on the
+        GPU the router's exact bf16 slices [3, E, C] (`router_logits`)."""
+        sh, ex, w = self.shared_experts, self.experts, self.gate.weight
+        sh.prepare_()
+        lins = (sh.gate_proj, sh.up_proj, sh.down_proj)
+        shapes = (sh.gate_proj.weight.shape, sh.down_proj.weight.shape) == (ex.w1.shape[1:], ex.w2.shape[1:])
+        fp8 = shapes and all(isinstance(lin, MXFP8Linear) for lin in lins)
+        self.shared_fp8 = tuple(t for lin in lins for t in (lin.weight, lin.weight_scale)) if fp8 else None
+        self.router_split = split_bf16(w.detach()) if w.is_cuda else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | MoEOutput:
         """x [T, C] -> the output [T, C], or on the GPU's pair path the pairs not yet summed."""
-        logits = router_logits(x, self.gate.weight, self._router_split(x))  # [T, E] fp32
+        # The router's bf16 slices serve GPU prefills; tested first: a CPU trace takes no shape guard.
+        split = self.router_split is not None and x.shape[0] >= SPLIT_ROUTER_MIN_T
+        logits = router_logits(x, self.gate.weight, self.router_split if split else None)  # [T, E] fp32
         weights, ids = route(logits, self.e_score_correction_bias, self.top_k)  # [T, A]
         ex = self.experts
         return moe(
             x, weights, ids, ex.stacked(), self.shared_experts, self.alpha, self.limit, self.scaling,
-            first=ex.first if ex.partitioned else None, shared_fp8=self._shared_fp8(),
+            first=ex.first if ex.partitioned else None, shared_fp8=self.shared_fp8,
         )  # fmt: skip
-
-    def _router_split(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The router weight's exact bf16 slices for a prefill on the GPU (`router_logits`), made
-        on first use and again whenever the weight changes."""
-        w = self.gate.weight
-        if not x.is_cuda or x.dtype != torch.bfloat16 or x.shape[0] < SPLIT_ROUTER_MIN_T:
-            return None
-        if getattr(self, "_split_of", None) != (w.data_ptr(), w._version):
-            self._split, self._split_of = split_bf16(w.detach()), (w.data_ptr(), w._version)
-        return self._split
-
-    def _shared_fp8(self) -> tuple[torch.Tensor, ...] | None:
-        """The shared expert's MXFP8 (gate, gate scales, up, up scales, down, down scales) when it
-        has a routed expert's shape, so that it can join their per-pair launches; else None."""
-        sh, ex = self.shared_experts, self.experts
-        lins = (sh.gate_proj, sh.up_proj, sh.down_proj)
-        if not all(isinstance(lin, MXFP8Linear) for lin in lins):
-            return None
-        if sh.gate_proj.weight.shape != ex.w1.shape[1:] or sh.down_proj.weight.shape != ex.w2.shape[1:]:
-            return None
-        return tuple(t for lin in lins for t in (lin.weight, lin.weight_scale))
 
 
 class DecoderLayer(nn.Module):
@@ -331,6 +332,15 @@ class MiniMaxM3(nn.Module):
             x, residual = x[logits_rows], None if residual is None else residual[logits_rows]
         x = self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]  # None: no layers
         return all_gather(self.lm_head(x).float(), self.parallel)  # [T, V]
+
+    @torch.no_grad()
+    def prepare_(self) -> MiniMaxM3:
+        """What the forward reads besides the weights, made after their last change (loading, quantising,
+        sharding, a move) and again after any later one; unprepared, the plain path runs."""
+        for layer in self.model.layers:
+            layer.self_attn.prepare_()
+            layer.ffn.prepare_()
+        return self
 
 
 MXFP8_LINEARS = (

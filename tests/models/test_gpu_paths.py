@@ -33,10 +33,11 @@ def test_packed_mlp_matches_reference(quant, t):
     if quant == "mxfp8":
         to_mxfp8_(mlp, ("gate_proj", "up_proj", "down_proj"), quantize=True)
     x = torch.randn(t, 256) * 2
-    ref = mlp(x)  # CPU: separate products (dequantised for MXFP8), in fp32
+    ref = mlp(x)  # CPU, unprepared: separate products (dequantised for MXFP8), in fp32
     gpu = mlp.to(DEV)
     if quant == "bf16":
         gpu = gpu.bfloat16()
+    gpu.prepare_()  # gate and up packed on the GPU, after the last move
     out = gpu(x.to(DEV, torch.bfloat16))
     assert (
         gpu.gate_proj.weight.untyped_storage().data_ptr() == gpu.up_proj.weight.untyped_storage().data_ptr()
@@ -67,10 +68,11 @@ def test_packed_attention_projections_match_reference(quant, t):
         to_mxfp8_(attn, names, quantize=True)
     x = torch.randn(t, 256)
     cos, sin = rope_cos_sin(torch.arange(t) + 5, args.rotary_dim, args.rope_theta)
-    ref = attn.project(x, cos, sin)  # CPU: separate products
+    ref = attn.project(x, cos, sin)  # CPU, unprepared: separate products
     gpu = attn.to(DEV)
     if quant == "bf16":
         gpu = gpu.bfloat16()
+    gpu.prepare_()  # the projections packed on the GPU, after the last move
     out = gpu.project(x.to(DEV, torch.bfloat16), cos.to(DEV), sin.to(DEV))
     assert gpu.k_proj.weight.untyped_storage().data_ptr() == gpu.q_proj.weight.untyped_storage().data_ptr()
     for o, r in zip(out, ref, strict=True):

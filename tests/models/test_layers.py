@@ -17,7 +17,7 @@ from m3lm.kernels.moe import (
     split_bf16,
 )
 from m3lm.kernels.msa import index_block_scores_ref, msa_attention_ref, msa_select_ref, select_blocks_ref
-from m3lm.layers.linear import MXFP8Linear, packed_linear, packed_rows
+from m3lm.layers.linear import MXFP8Linear, pack_rows_, packed_linear
 from m3lm.layers.mlp import swiglu_oai
 from m3lm.layers.norm import RMSNorm, rms_norm
 from m3lm.layers.rotary import apply_rope, rope_cos_sin, rope_rows
@@ -68,7 +68,7 @@ def test_packed_rows_share_storage_with_the_layers(kind):
             m.weight_scale.copy_(torch.randint(120, 130, m.weight_scale.shape, dtype=torch.uint8))
     names = ["weight"] + (["weight_scale"] if kind == "mxfp8" else [])
     before = {n: [getattr(m, n).clone() for m in layers] for n in names}
-    packed = packed_rows(*layers)
+    packed = pack_rows_(*layers)
     assert len(packed) == len(names)
     for p, n in zip(packed, names, strict=True):
         assert torch.equal(p.float(), torch.cat(before[n]).float())
@@ -80,18 +80,18 @@ def test_packed_rows_share_storage_with_the_layers(kind):
     for m, y in zip(layers, outs, strict=True):
         assert torch.allclose(y, m(x), rtol=1e-5, atol=1e-5)
     # The layers' parameters are views of the packed buffer: loading into them updates it, and
-    # a second call finds them in place.
+    # packing again finds them in place (no copy).
     with torch.no_grad():
         layers[1].weight.copy_(torch.ones_like(layers[1].weight))
-    again = packed_rows(*layers)
+    assert torch.equal(packed[0][24:64].float(), torch.ones(40, 64))
+    again = pack_rows_(*layers)
     assert again[0].data_ptr() == packed[0].data_ptr()
-    assert torch.equal(again[0][24:64].float(), torch.ones(40, 64))
-    assert packed_rows(layers[0], torch.nn.Linear(32, 8, bias=False)) is None
-    assert packed_rows(layers[0]) is None
+    assert pack_rows_(layers[0], torch.nn.Linear(32, 8, bias=False)) is None
+    assert pack_rows_(layers[0]) is None
     # A parameter replaced by a new tensor (a reload with assign=True, say) is packed anew.
     new = getattr(layers[2], names[0]).detach().clone()
     setattr(layers[2], names[0], torch.nn.Parameter(new, requires_grad=False))
-    fresh = packed_rows(*layers)
+    fresh = pack_rows_(*layers)
     assert fresh[0].data_ptr() != packed[0].data_ptr()
     assert torch.equal(fresh[0][64:].float(), new.float())
     assert getattr(layers[2], names[0]).data_ptr() == fresh[0][64:].data_ptr()
@@ -199,8 +199,9 @@ def test_cpu_norm_and_rope_over_whole_heads_are_the_references(head_dim, rotary_
 
 @pytest.mark.parametrize("wide", [False, True])
 def test_packed_heads_are_the_heads_of_each_kind(wide):
-    # The CPU forward norms and rotates every head of the packed product in one pass (v's rows
-    # included, then dropped): the same heads as a norm and a rotation per kind (`project`).
+    # The prepared CPU forward norms and rotates every head of the packed product in one pass
+    # (v's rows included, then dropped): the same heads as a norm and a rotation per kind
+    # (`project` of the unprepared layer).
     from m3lm.config import ModelArgs
     from m3lm.layers.batch import ForwardBatch
     from m3lm.layers.heads import packed_heads
@@ -212,14 +213,15 @@ def test_packed_heads_are_the_heads_of_each_kind(wide):
     model = random_init_(MiniMaxM3(args), seed=4)
     x = torch.randn(5, args.hidden_size, generator=torch.Generator().manual_seed(5))
     cos, sin = rope_cos_sin(torch.arange(5), args.rotary_dim, args.rope_theta)
+    rope = ForwardBatch.full(1, 5).rope_rows(args.rotary_dim, args.rope_theta, args.head_dim)
     kinds = set()
     for layer in model.model.layers:
         attn = layer.self_attn
         kinds.add(attn.sparse)
-        y, _ = attn._products(x)
-        got = packed_heads(y, attn, ForwardBatch.full(1, 5))
-        assert packed_heads(y.double(), attn, ForwardBatch.full(1, 5)) is None
         want = attn.project(x, cos, sin)
+        attn.prepare_()
+        y, _ = attn._products(x)
+        got = packed_heads(y, attn.stacked_norms, attn.dims, rope, attn.q_norm.eps)
         for a, b in zip(got, want, strict=True):
             assert (a is None) == (b is None)
             if a is not None:

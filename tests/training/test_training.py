@@ -62,6 +62,23 @@ def test_training_forward_matches_inference():
     assert (dense - want).abs().max() > 1e-2 * want.abs().max()
 
 
+def test_the_training_losses_reach_every_weight_but_the_router_bias():
+    """A model never prepared multiplies by its own parameters: the dense MLP's and the shared
+    expert's gate and up learn too (a packed copy of them would take no gradient). The router
+    bias moves by the load balance alone (`train.update_router_bias`)."""
+    config = release_config(vocab_size=97, **train.PRESETS["tiny"])
+    model = MiniMaxM3(parse_config(config)).train()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.1))
+    ids = torch.randint(0, 97, (2, 46), generator=gen)
+    out = training_forward(model, ids[:, :-1], ids[:, 1:], sparse=True)
+    (out.lm_loss + out.indexer_kl + out.balance).backward()
+    untouched = {n for n, p in model.named_parameters() if p.grad is None or not p.grad.any()}
+    assert untouched == {n for n, _ in model.named_parameters() if n.endswith("e_score_correction_bias")}
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("story")
