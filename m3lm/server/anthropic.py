@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from m3lm.server.choice import Choice
 from m3lm.server.effort import ANTHROPIC_FIELD
-from m3lm.server.handlers import ApiError, ServerState, admit_chat, prepare_chat
+from m3lm.server.handlers import ApiError, ServerState, admit_chat, prepare_chat, served
 from m3lm.server.protocol import ChatCompletionRequest, _Body, anthropic_error_body
 from m3lm.server.reply_lifecycle import answer
 from m3lm.text.reasoning import ReasoningText, ReplyEvent
@@ -501,9 +501,7 @@ router = APIRouter()
 
 @router.post("/v1/messages", responses={**ERRORS, 200: REPLY})
 async def messages(req: MessagesRequest, request: Request):
-    state: ServerState = request.app.state.m3lm
-    state.check_model(req.model)
-    req.warn_unknown()
+    state = served(request, req)
     return await create_message(state, ThinkingSigner(state.thinking_key), req, request)
 
 

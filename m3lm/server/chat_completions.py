@@ -31,7 +31,6 @@ class ChatWriter(OpenAIWriter):
     ):
         super().__init__(req, state.model_name, rid, created, prompt_tokens)
         self.tokenizer = state.tokenizer
-        self.n = req.n
 
     def whole(self, choices: list[Choice]) -> dict:
         req = self.req
@@ -57,7 +56,7 @@ class ChatWriter(OpenAIWriter):
         return self.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
     def opening(self) -> list[bytes]:
-        return [self._delta(i, {"role": "assistant", "content": ""}) for i in range(self.n)]
+        return [self._delta(i, {"role": "assistant", "content": ""}) for i in range(self.req.n)]
 
     async def chunks(self, c: Choice, out: StepOutput, events: list[ReplyEvent]) -> list[bytes]:
         """One delta a reply event (the first carries the output's logprobs), then the finish."""

@@ -113,6 +113,15 @@ class ServerState:
         return self.max_model_len - 1  # the context holds the prompt and at least one new token
 
 
+def served(request: Request, req) -> ServerState:
+    """The app's state for a generation request `req` naming this server's model (else a 404);
+    the fields it sent that nothing reads are logged once."""
+    state: ServerState = request.app.state.m3lm
+    state.check_model(req.model)
+    req.warn_unknown()
+    return state
+
+
 def tenant_salt(state: ServerState, request: Request, salt: str | None) -> str | None:
     """The request's cache salt: its own, within its API key's namespace when salting by key."""
     if not state.salt_by_tenant:

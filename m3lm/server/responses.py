@@ -20,7 +20,7 @@ import msgspec
 from fastapi import APIRouter, Request
 
 from m3lm.server.choice import Choice
-from m3lm.server.handlers import ApiError, ServerState, admit_chat, prepare_chat
+from m3lm.server.handlers import ApiError, ServerState, admit_chat, prepare_chat, served
 from m3lm.server.protocol import documented_errors
 from m3lm.server.reply_lifecycle import answer
 from m3lm.server.responses_request import ResponsesRequest, chat_request, chat_tools
@@ -274,10 +274,7 @@ router = APIRouter()
 
 @router.post("/v1/responses", responses={**ERRORS, 200: REPLY})
 async def responses(req: ResponsesRequest, request: Request):
-    state: ServerState = request.app.state.m3lm
-    state.check_model(req.model)
-    req.warn_unknown()
-    return await create_response(state, req, request)
+    return await create_response(served(request, req), req, request)
 
 
 @router.get("/v1/responses/{response_id}", responses=ERRORS)

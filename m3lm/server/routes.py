@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from m3lm.server.chat_completions import chat_completion
 from m3lm.server.completions import completion
-from m3lm.server.handlers import ApiError, ServerState
+from m3lm.server.handlers import ApiError, ServerState, served
 from m3lm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -92,18 +92,12 @@ async def prometheus(request: Request):
 
 @router.post("/v1/chat/completions", responses=GENERATION)
 async def chat(req: ChatCompletionRequest, request: Request):
-    state = state_of(request)
-    state.check_model(req.model)
-    req.warn_unknown()
-    return await chat_completion(state, req, request)
+    return await chat_completion(served(request, req), req, request)
 
 
 @router.post("/v1/completions", responses=GENERATION)
 async def complete(req: CompletionRequest, request: Request):
-    state = state_of(request)
-    state.check_model(req.model)
-    req.warn_unknown()
-    return await completion(state, req, request)
+    return await completion(served(request, req), req, request)
 
 
 @router.post("/tokenize", responses=COMMON)
